@@ -1,0 +1,190 @@
+"""Benchmark the fused linear + cross-entropy against PyTorch and the peers, side by side.
+
+    python examples/benchmark_loss.py --out results/loss.csv           # on a CUDA GPU
+    python examples/benchmark_loss.py --sweep                         # tile shapes of mhc's kernels
+
+Forward+backward of ``loss = CE(x @ W^T, target)`` (mean), bf16 ``x [N, D]`` and ``W [V, D]``, random
+data, for each N and (D, V): ``triton.testing.do_bench`` median time and peak memory beyond the
+inputs and the two gradients (the logits, chunks, accumulators: everything a method adds). Methods:
+mhc, PyTorch eager (``x @ W.T`` then ``F.cross_entropy``), ``torch.compile`` of that, PyTorch's
+own ``F.linear_cross_entropy`` (where the installed PyTorch has it), Liger-Kernel's fused linear
+cross-entropy (as shipped, bf16 ``dW`` accumulation, and with ``accum_dtype=float32``), and Apple's
+Cut Cross-Entropy. A peer that is not installed or fails is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from _bench import peak_extra, write_csv
+
+from mhc.losses import linear_cross_entropy
+
+SHAPES = [(4096, 128256), (2304, 256000)]
+TOKENS = [4096, 8192, 16384]
+FLOPS_PER_SECOND = 800e12  # dense bf16 products measured on the H100 (8192^3 matmul)
+
+
+def eager(x, w, t):
+    return F.cross_entropy((x @ w.t()).float(), t)
+
+
+def _methods():
+    """name -> loss function (x, w, t), and name -> reason for the peers that are skipped."""
+    methods = {
+        "mhc": lambda x, w, t: linear_cross_entropy(x, w, t),
+        "torch eager": eager,
+        "torch.compile": torch.compile(eager),
+    }
+    skipped = {}
+    if hasattr(F, "linear_cross_entropy"):
+        methods["torch F.linear_cross_entropy"] = lambda x, w, t: F.linear_cross_entropy(x, w, t)
+    else:
+        skipped["torch F.linear_cross_entropy"] = f"not in torch {torch.__version__}"
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        liger32 = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
+        methods["Liger"] = lambda x, w, t: liger(w, x, t)
+        methods["Liger (fp32 dW)"] = lambda x, w, t: liger32(w, x, t)
+    except ImportError as e:
+        skipped["Liger"] = f"not installed ({e})"
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        methods["Cut Cross-Entropy"] = lambda x, w, t: cce(x, w, t)
+    except ImportError as e:
+        skipped["Cut Cross-Entropy"] = f"not installed ({e})"
+    return methods, skipped
+
+
+def _inputs(n, d, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=g) / d**0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    return x, w, t
+
+
+def measure(fn, x, w, t):
+    """(median ms, peak MiB beyond inputs and gradients, loss) of forward + backward."""
+    from triton.testing import do_bench
+
+    def step():
+        x.grad = w.grad = None
+        loss = fn(x, w, t)
+        loss.backward()
+        return loss
+
+    loss = step().item()  # compile / autotune outside the timing
+    x.grad = w.grad = None
+    extra = peak_extra(step) - (x.numel() * x.element_size() + w.numel() * w.element_size())
+    ms = do_bench(step, warmup=100, rep=500, return_mode="median")
+    return ms, extra / 2**20, loss
+
+
+def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES):
+    methods, skipped = _methods()
+    if only:
+        methods = {k: f for k, f in methods.items() if k in only}
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    rows = []
+    for d, v in shapes:
+        for n in tokens:
+            x, w, t = _inputs(n, d, v)
+            floor = 6 * n * d * v / FLOPS_PER_SECOND * 1e3
+            for name, fn in methods.items():
+                try:
+                    ms, mib, loss = measure(fn, x, w, t)
+                except Exception as e:  # a peer failing at one size must not stop the table
+                    print(f"{name} N={n} D={d} V={v} failed: {type(e).__name__}: {e}"[:300])
+                    torch.cuda.empty_cache()
+                    continue
+                rows.append(dict(N=n, D=d, V=v, method=name, ms=round(ms, 2),
+                                 peak_extra_mib=round(mib, 1), loss=round(loss, 4),
+                                 x_floor=round(ms / floor, 2)))
+                print(f"N={n:6d} D={d} V={v} {name:30s} {ms:8.2f} ms {mib:10.1f} MiB  "
+                      f"loss {loss:.4f}  {ms / floor:.2f}x the 6NDV floor ({floor:.1f} ms)",
+                      flush=True)
+                x.grad = w.grad = None
+                torch.cuda.empty_cache()
+            del x, w, t
+    if out_path:
+        write_csv(rows, out_path, ["N", "D", "V", "method", "ms", "peak_extra_mib", "loss", "x_floor"])
+    return rows
+
+
+def sweep(n=8192, d=4096, v=128256):
+    """Time mhc's three passes for each tile shape in a short list (16-bit inputs)."""
+    from triton.testing import do_bench
+
+    import mhc.kernels.linear_cross_entropy as lce
+
+    x, w, t = _inputs(n, d, v)
+    x, w = x.detach(), w.detach()
+    lse, _ = lce.lse_forward(x, w, None, t)
+    scale = torch.full((n,), 1.0 / n, device="cuda")
+    logits_tiles = [(128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (256, 128, 64, 8, 4),
+                    (128, 128, 64, 8, 4)]
+    input_tiles = [(128, 256, 64, 8, 3), (128, 256, 128, 8, 2)]
+    default = dict(lce.TILES_16BIT)
+    for tiles in logits_tiles:
+        lce.TILES_16BIT["logits"] = tiles
+        try:
+            fwd = do_bench(lambda: lce.lse_forward(x, w, None, t), rep=300)
+            g = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False),
+                         rep=300)
+            print(f"logits tiles {tiles}: lse forward {fwd:.2f} ms, G for all V {g:.2f} ms", flush=True)
+        except Exception as e:
+            print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
+    lce.TILES_16BIT["logits"] = default["logits"]
+    base = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False), rep=300)
+
+    def dx_pass():
+        return do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, True, False, False),
+                        rep=300) - base
+
+    print(f"dx pass through cuBLAS (fp32 accumulator) "
+          f"{dx_pass() if lce._cublas_accumulates_fp32(x) else float('nan'):.2f} ms", flush=True)
+    uses_cublas = lce._cublas_accumulates_fp32
+    lce._cublas_accumulates_fp32 = lambda x: False
+    for tiles in input_tiles:
+        lce.TILES_16BIT["grad_input"] = tiles
+        try:
+            print(f"grad_input tiles {tiles}: dx pass {dx_pass():.2f} ms", flush=True)
+        except Exception as e:
+            print(f"grad_input tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
+    lce._cublas_accumulates_fp32 = uses_cublas
+    lce.TILES_16BIT.update(default)
+    dw = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, True, False), rep=300)
+    print(f"dW pass (cuBLAS) {dw - base:.2f} ms; floor per pass 2NDV = "
+          f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="", help="CSV path for the table")
+    p.add_argument("--sweep", action="store_true", help="time tile shapes of mhc's kernels instead")
+    p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="values of N")
+    p.add_argument("--shapes", nargs="+", default=[f"{d}x{v}" for d, v in SHAPES],
+                   help="(D, V) pairs written DxV")
+    p.add_argument("--methods", nargs="+", default=None, help="only these methods (names as printed)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmark_loss.py needs a CUDA GPU")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if args.sweep:
+        sweep()
+    else:
+        shapes = [tuple(int(a) for a in s.split("x")) for s in args.shapes]
+        run(args.out, args.tokens, args.methods, shapes)
+
+
+if __name__ == "__main__":
+    main()

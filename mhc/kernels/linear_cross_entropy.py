@@ -1,0 +1,318 @@
+"""Fused linear + cross-entropy kernels and their launchers: ``CE(x @ W^T + b, target)`` without
+the ``[N, V]`` logits.
+
+Three passes, each a matrix product whose tiles live only on chip (``docs/losses.md`` derives them):
+
+- forward, :func:`lse_forward`: logit tiles ``[BLOCK_N, BLOCK_V]`` reduced by an online
+  log-sum-exp; each program walks a range of vocabulary blocks for its rows and writes a
+  partial ``(max, sum, target logit)``; the partials are combined in fp32.
+- backward, :func:`grad_backward`, one vocabulary chunk ``[c0, c1)`` at a time:
+  1. :func:`grad_logits_kernel` recomputes the chunk's logits and writes
+     ``G = (softmax - onehot) * row_scale`` (fp32 arithmetic, stored in the input dtype) into a
+     ``[N, c1 - c0]`` buffer, the only large temporary;
+  2. ``dW[c0:c1] = G^T x``: one cuBLAS product over all N tokens, fp32 accumulation, written once;
+  3. :func:`grad_input_kernel`: ``dx += G W[c0:c1]`` into an fp32 ``[N, D]`` accumulator.
+
+No atomics: every output element is written by one program (or one cuBLAS call) in a fixed
+order, so results are bit-identical run to run. Offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# The [N, chunk] gradient buffer of the backward: at most this many bytes, but at least
+# MIN_CHUNK vocabulary columns (fewer chunks means fewer passes over the fp32 dx accumulator).
+CHUNK_BYTES = 64 * 2**20
+MIN_CHUNK = 4096
+# forward programs per multiprocessor (each walks a range of vocabulary blocks)
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _grouped_tile(pid, n_row_blocks, n_col_blocks, GROUP: tl.constexpr):
+    """Map a 1D program id to (row block, column block), GROUP row blocks at a time, so that
+    programs running together share their rows of x and their columns of W in L2."""
+    per_group = GROUP * n_col_blocks
+    first_row = (pid // per_group) * GROUP
+    group_rows = tl.minimum(n_row_blocks - first_row, GROUP)
+    in_group = pid % per_group
+    return first_row + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
+def _logits_tile(
+    x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``x[rows] @ W[cols]^T``: ``[BLOCK_N, BLOCK_V]`` fp32, masked rows and columns read as 0."""
+    ks = tl.arange(0, BLOCK_D)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_D):
+        if EVEN_D:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + ks) < D
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_D
+        w_ptrs += BLOCK_D
+    return acc
+
+
+@triton.jit
+def lse_partials_kernel(
+    x_ptr, w_ptr, b_ptr, t_ptr, max_ptr, sum_ptr, target_logit_ptr,
+    N, V, D, stride_x, stride_w, blocks_per_split, n_splits,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Per (row block, vocabulary range): running max, sum of exp and the target's logit."""
+    row_block, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(V, BLOCK_V))
+    for vb in range(first, last):
+        cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        logits = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
+                              BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST)
+        if HAS_BIAS:
+            logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        logits = tl.where(col_ok[None, :], logits, float("-inf"))
+        # every block holds at least one real column, so new_max is finite
+        new_max = tl.maximum(run_max, tl.max(logits, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+            tl.exp(logits - new_max[:, None]), axis=1)
+        run_max = new_max
+        is_target = cols[None, :] == target[:, None]
+        target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+    out = rows.to(tl.int64) * n_splits + split
+    tl.store(max_ptr + out, run_max, mask=row_ok)
+    tl.store(sum_ptr + out, run_sum, mask=row_ok)
+    tl.store(target_logit_ptr + out, target_logit, mask=row_ok)
+
+
+@triton.jit
+def grad_logits_kernel(
+    x_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, scale_ptr, g_ptr,
+    N, D, col_start, col_end, stride_x, stride_w, stride_g,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``G[:, c - col_start] = (softmax(logits)[:, c] - [c == target]) * scale`` for one chunk."""
+    row_block, col_block = _grouped_tile(
+        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(col_end - col_start, BLOCK_V), GROUP)
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_start + col_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < col_end
+    logits = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
+                          BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST)
+    if HAS_BIAS:
+        logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    is_target = cols[None, :] == target[:, None]
+    grad = (tl.exp(logits - lse[:, None]) - tl.where(is_target, 1.0, 0.0)) * scale[:, None]
+    g_ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_g + (cols - col_start)[None, :]
+    tl.store(g_ptrs, grad.to(g_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def grad_input_kernel(
+    g_ptr, w_ptr, dx_ptr, N, D, K, stride_g, stride_w, stride_dx,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``dx[N, D] += G[N, K] @ W[K, D]`` with ``dx`` fp32 (``w_ptr`` at the chunk's first row)."""
+    row_block, col_block = _grouped_tile(
+        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(D, BLOCK_D), GROUP)
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    col_ok = cols < D
+    ks = tl.arange(0, BLOCK_K)
+    dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    acc = tl.load(dx_ptrs, mask=out_ok, other=0.0)
+    g_ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_g + ks[None, :]
+    w_ptrs = w_ptr + ks.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        g = tl.load(g_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            g, w = g.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(g, w, acc, input_precision=PRECISION)
+        g_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w
+    tl.store(dx_ptrs, acc, mask=out_ok)
+
+
+# Launchers. Inputs: x [N, D], weight [V, D], bias [V] or None (same dtype: fp16, bf16 or fp32;
+# contiguous rows), target [N] int64.
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get fp32 products, as torch.matmul gives them unless TF32 is allowed
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _upcast(x: torch.Tensor) -> bool:
+    # Triton's interpreter multiplies bfloat16 tiles wrongly (numpy has no bfloat16): fp32 there
+    return not x.is_cuda
+
+
+def _tiles(x: torch.Tensor) -> dict:
+    """Block shapes: measured on an H100 for 16-bit inputs (docs/losses.md); small under the
+    interpreter, where every program is a Python loop."""
+    if not x.is_cuda:
+        return dict(logits=(32, 32, 32, 1, 1), grad_input=(32, 32, 32, 1, 1))
+    if x.dtype == torch.float32:
+        return dict(logits=(64, 64, 32, 4, 3), grad_input=(64, 64, 32, 4, 3))
+    return dict(logits=TILES_16BIT["logits"], grad_input=TILES_16BIT["grad_input"])
+
+
+# (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages)
+TILES_16BIT = dict(logits=(128, 256, 64, 8, 3), grad_input=(128, 256, 64, 8, 3))
+GROUP = 8
+
+
+def lse_forward(x, weight, bias, target):
+    """Log-sum-exp of every row's logits and the target's logit: two fp32 ``[N]`` tensors.
+
+    Rows whose target is outside ``[0, V)`` (ignored rows) get a target logit of 0.
+    """
+    N, D = x.shape
+    V = weight.shape[0]
+    block_n, block_v, block_d, warps, stages = _tiles(x)["logits"]
+    row_blocks = triton.cdiv(N, block_n)
+    vocab_blocks = triton.cdiv(V, block_v)
+    programs = PROGRAMS_PER_SM * _sm_count(x.device)
+    n_splits = min(vocab_blocks, max(1, triton.cdiv(programs, max(1, row_blocks))))
+    blocks_per_split = triton.cdiv(vocab_blocks, n_splits)
+    n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split
+    partial = torch.empty(3, N, n_splits, device=x.device, dtype=torch.float32)
+    if N > 0:
+        lse_partials_kernel[(row_blocks * n_splits,)](
+            x, weight, bias if bias is not None else x, target,
+            partial[0], partial[1], partial[2],
+            N, V, D, x.stride(0), weight.stride(0), blocks_per_split, n_splits,
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+            GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
+            num_warps=warps, num_stages=stages,
+        )
+    run_max, run_sum, target_logit = partial
+    row_max = run_max.amax(dim=1)
+    lse = row_max + torch.log((run_sum * torch.exp(run_max - row_max[:, None])).sum(dim=1))
+    return lse, target_logit.sum(dim=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_fp32_accumulation(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c_fp32, a, b, torch.float32, out=c_fp32)`` works here for 16-bit
+    ``a``, ``b`` (PyTorch builds with the out_dtype overloads, CUDA only): cuBLAS then adds the
+    chunk's ``G W`` into the fp32 accumulator, faster than grad_input_kernel."""
+    try:
+        a = torch.ones(2, 3, device=device, dtype=dtype)
+        c = torch.ones(2, 2, device=device, dtype=torch.float32)
+        torch.addmm(c, a, a.t(), torch.float32, out=c)
+        return bool((c == 4).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _cublas_accumulates_fp32(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype != torch.float32 and _cublas_fp32_accumulation(x.device, x.dtype)
+
+
+def chunk_columns(n_rows: int, vocab: int, element_size: int) -> int:
+    """Vocabulary columns per backward chunk: the ``[n_rows, chunk]`` buffer within CHUNK_BYTES,
+    at least MIN_CHUNK, at most the vocabulary."""
+    fit = CHUNK_BYTES // max(1, n_rows * element_size)
+    return max(1, min(vocab, max(MIN_CHUNK, fit)))
+
+
+def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weight, need_bias):
+    """Gradients of ``sum_i row_scale[i] * loss_i`` for x, weight and bias (None where not needed).
+
+    ``row_scale`` [N] fp32 is 0 on ignored rows. Its largest magnitude is factored out of ``G``
+    (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues.
+    """
+    N, D = x.shape
+    V = weight.shape[0]
+    scale_max = row_scale.abs().max().item() if N > 0 else 0.0
+    grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
+    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_b = torch.empty_like(bias) if need_bias else None
+    if scale_max == 0.0:  # every row ignored, or a zero upstream gradient
+        for g in (grad_w, grad_b):
+            if g is not None:
+                g.zero_()
+        return (grad_x.to(x.dtype) if need_input else None), grad_w, grad_b
+    unit_scale = row_scale / scale_max
+    (block_n, block_v, block_d, warps, stages) = _tiles(x)["logits"]
+    (in_n, in_d, in_k, in_warps, in_stages) = _tiles(x)["grad_input"]
+    precision = _precision(x.dtype)
+    chunk = chunk_columns(N, V, x.element_size())
+    grads = torch.empty(N, chunk, device=x.device, dtype=x.dtype)
+    for c0 in range(0, V, chunk):
+        c1 = min(V, c0 + chunk)
+        g = grads[:, : c1 - c0]
+        grid = (triton.cdiv(N, block_n) * triton.cdiv(c1 - c0, block_v),)
+        grad_logits_kernel[grid](
+            x, weight, bias if bias is not None else x, target, lse, unit_scale, g,
+            N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+            GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision, UPCAST=_upcast(x),
+            num_warps=warps, num_stages=stages,
+        )
+        if need_weight:
+            # one product over all N: fp32 accumulation inside, dW rows written once
+            torch.addmm(grad_w[c0:c1], g.t(), x, beta=0, alpha=scale_max, out=grad_w[c0:c1])
+        if need_bias:
+            grad_b[c0:c1] = g.sum(dim=0, dtype=torch.float32) * scale_max
+        if need_input and _cublas_accumulates_fp32(x):
+            torch.addmm(grad_x, g, weight[c0:c1], torch.float32, out=grad_x)
+        elif need_input:
+            grid = (triton.cdiv(N, in_n) * triton.cdiv(D, in_d),)
+            grad_input_kernel[grid](
+                g, weight[c0:c1], grad_x, N, D, c1 - c0, grads.stride(0), weight.stride(0),
+                grad_x.stride(0), BLOCK_N=in_n, BLOCK_D=in_d, BLOCK_K=in_k, GROUP=GROUP,
+                PRECISION=precision, UPCAST=_upcast(x), num_warps=in_warps, num_stages=in_stages,
+            )
+    if need_input:
+        grad_x = grad_x.mul_(scale_max).to(x.dtype)
+    return grad_x, grad_w, grad_b
+
+
+__all__ = ["lse_forward", "grad_backward", "chunk_columns"]
