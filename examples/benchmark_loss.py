@@ -135,7 +135,7 @@ def sweep(n=8192, d=4096, v=128256):
     input_tiles = [(128, 256, 64, 8, 3), (128, 256, 128, 8, 2)]
     default = dict(lce.TILES_16BIT)
     for tiles in logits_tiles:
-        lce.TILES_16BIT["logits"] = tiles
+        lce.TILES_16BIT["lse"] = lce.TILES_16BIT["grad_logits"] = tiles
         try:
             fwd = do_bench(lambda: lce.lse_forward(x, w, None, t), rep=300)
             g = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False),
@@ -143,7 +143,7 @@ def sweep(n=8192, d=4096, v=128256):
             print(f"logits tiles {tiles}: lse forward {fwd:.2f} ms, G for all V {g:.2f} ms", flush=True)
         except Exception as e:
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
-    lce.TILES_16BIT["logits"] = default["logits"]
+    lce.TILES_16BIT.update(default)
     base = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False), rep=300)
 
     def dx_pass():

@@ -276,3 +276,18 @@ def test_bad_settings_raise():
         linear_cross_entropy(x.double(), w.double(), t, backend="triton")
     with pytest.raises(ValueError, match="reduction"):
         LinearCrossEntropy(4, 5, reduction="avg")
+
+
+def test_descriptor_and_pointer_loads_agree(monkeypatch):
+    """Aligned rows go through tensor descriptors (TMA on Hopper), others through pointers."""
+    x, w, b, t = make(40, 32, 90, bias=True, seed=9, ignore_frac=0.2, device=KERNEL_DEVICE)
+    g = upstream("none", (40,), 9)
+    with_tma = run(ours("triton"), x, w, b, t, g, "none")
+    monkeypatch.setattr(lce, "USE_TMA", False)
+    with_pointers = run(ours("triton"), x, w, b, t, g, "none")
+    for a, c in zip(with_tma, with_pointers):
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
+    assert lce._sources(x, w, 32, 32, 32)[2] is False
+    monkeypatch.setattr(lce, "USE_TMA", True)
+    assert lce._sources(x, w, 32, 32, 32)[2] is (lce.TensorDescriptor is not None)
+    assert lce._sources(x[:, 1:], w[:, 1:], 32, 32, 32)[2] is False  # rows not 16-byte aligned

@@ -25,6 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy engine (TMA)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 # The [N, chunk] gradient buffer of the backward: at most this many bytes, but at least
 # MIN_CHUNK vocabulary columns (fewer chunks means fewer passes over the fp32 dx accumulator).
 CHUNK_BYTES = 64 * 2**20
@@ -46,38 +51,52 @@ def _grouped_tile(pid, n_row_blocks, n_col_blocks, GROUP: tl.constexpr):
 
 @triton.jit
 def _logits_tile(
-    x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
+    x_src, w_src, row0, col0, row_ok, col_ok, D, stride_x, stride_w,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    """``x[rows] @ W[cols]^T``: ``[BLOCK_N, BLOCK_V]`` fp32, masked rows and columns read as 0."""
-    ks = tl.arange(0, BLOCK_D)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None]
+    """``x[row0:] @ W[col0:]^T``: ``[BLOCK_N, BLOCK_V]`` fp32; rows, columns out of range read as 0.
+
+    With ``TMA`` the sources are tensor descriptors (the copy engine fetches the tiles, out of
+    bounds as zeros); otherwise pointers to rows of unit inner stride.
+    """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_D):
-        if EVEN_D:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + ks) < D
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_D
-        w_ptrs += BLOCK_D
+    if TMA:
+        for k0 in range(0, D, BLOCK_D):
+            x = x_src.load([row0, k0])
+            w = w_src.load([col0, k0]).T
+            if UPCAST:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_D)
+        rows = (row0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        cols = (col0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+        x_ptrs = x_src + rows[:, None] * stride_x + ks[None, :]
+        w_ptrs = w_src + cols[None, :] * stride_w + ks[:, None]
+        for k0 in range(0, D, BLOCK_D):
+            if EVEN_D:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + ks) < D
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_D
+            w_ptrs += BLOCK_D
     return acc
 
 
 @triton.jit
 def lse_partials_kernel(
-    x_ptr, w_ptr, b_ptr, t_ptr, max_ptr, sum_ptr, target_logit_ptr,
+    x_src, w_src, b_ptr, t_ptr, max_ptr, sum_ptr, target_logit_ptr,
     N, V, D, stride_x, stride_w, blocks_per_split, n_splits,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Per (row block, vocabulary range): running max, sum of exp and the target's logit."""
     row_block, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
@@ -92,8 +111,9 @@ def lse_partials_kernel(
     for vb in range(first, last):
         cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        logits = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
-                              BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST)
+        logits = _logits_tile(x_src, w_src, row_block * BLOCK_N, vb * BLOCK_V, row_ok, col_ok, D,
+                              stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION,
+                              UPCAST, TMA)
         if HAS_BIAS:
             logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         logits = tl.where(col_ok[None, :], logits, float("-inf"))
@@ -112,11 +132,11 @@ def lse_partials_kernel(
 
 @triton.jit
 def grad_logits_kernel(
-    x_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, scale_ptr, g_ptr,
+    x_src, w_src, b_ptr, t_ptr, lse_ptr, scale_ptr, g_ptr,
     N, D, col_start, col_end, stride_x, stride_w, stride_g,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """``G[:, c - col_start] = (softmax(logits)[:, c] - [c == target]) * scale`` for one chunk."""
     row_block, col_block = _grouped_tile(
@@ -125,8 +145,9 @@ def grad_logits_kernel(
     cols = col_start + col_block * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < col_end
-    logits = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
-                          BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST)
+    logits = _logits_tile(x_src, w_src, row_block * BLOCK_N, col_start + col_block * BLOCK_V,
+                          row_ok, col_ok, D, stride_x, stride_w,
+                          BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST, TMA)
     if HAS_BIAS:
         logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -187,6 +208,18 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _sources(x, weight, block_n, block_v, block_d):
+    """Tensor descriptors for x and W where the copy engine can fetch their tiles (Hopper or
+    newer, or the interpreter; 16-byte aligned rows), else the tensors themselves; and which."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                  for t in (x, weight))
+    hopper = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+    if TensorDescriptor is None or not (aligned and hopper and USE_TMA):
+        return x, weight, False
+    return (TensorDescriptor.from_tensor(x, [block_n, block_d]),
+            TensorDescriptor.from_tensor(weight, [block_v, block_d]), True)
+
+
 def _upcast(x: torch.Tensor) -> bool:
     # Triton's interpreter multiplies bfloat16 tiles wrongly (numpy has no bfloat16): fp32 there
     return not x.is_cuda
@@ -196,15 +229,19 @@ def _tiles(x: torch.Tensor) -> dict:
     """Block shapes: measured on an H100 for 16-bit inputs (docs/losses.md); small under the
     interpreter, where every program is a Python loop."""
     if not x.is_cuda:
-        return dict(logits=(32, 32, 32, 1, 1), grad_input=(32, 32, 32, 1, 1))
+        return dict(lse=(32, 32, 32, 1, 1), grad_logits=(32, 32, 32, 1, 1),
+                    grad_input=(32, 32, 32, 1, 1))
     if x.dtype == torch.float32:
-        return dict(logits=(64, 64, 32, 4, 3), grad_input=(64, 64, 32, 4, 3))
-    return dict(logits=TILES_16BIT["logits"], grad_input=TILES_16BIT["grad_input"])
+        return dict(lse=(64, 64, 32, 4, 3), grad_logits=(64, 64, 32, 4, 3),
+                    grad_input=(64, 64, 32, 4, 3))
+    return dict(TILES_16BIT)
 
 
 # (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages)
-TILES_16BIT = dict(logits=(128, 256, 64, 8, 3), grad_input=(128, 256, 64, 8, 3))
+TILES_16BIT = dict(lse=(128, 256, 64, 8, 3), grad_logits=(256, 128, 64, 8, 4),
+                   grad_input=(128, 256, 64, 8, 3))
 GROUP = 8
+USE_TMA = True  # 12% faster than pointer loads on an H100 (docs/losses.md); False: pointers
 
 
 def lse_forward(x, weight, bias, target):
@@ -214,7 +251,7 @@ def lse_forward(x, weight, bias, target):
     """
     N, D = x.shape
     V = weight.shape[0]
-    block_n, block_v, block_d, warps, stages = _tiles(x)["logits"]
+    block_n, block_v, block_d, warps, stages = _tiles(x)["lse"]
     row_blocks = triton.cdiv(N, block_n)
     vocab_blocks = triton.cdiv(V, block_v)
     programs = PROGRAMS_PER_SM * _sm_count(x.device)
@@ -223,12 +260,14 @@ def lse_forward(x, weight, bias, target):
     n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split
     partial = torch.empty(3, N, n_splits, device=x.device, dtype=torch.float32)
     if N > 0:
+        x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
         lse_partials_kernel[(row_blocks * n_splits,)](
-            x, weight, bias if bias is not None else x, target,
+            x_src, w_src, bias if bias is not None else x, target,
             partial[0], partial[1], partial[2],
             N, V, D, x.stride(0), weight.stride(0), blocks_per_split, n_splits,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
             GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
+            TMA=tma,
             num_warps=warps, num_stages=stages,
         )
     run_max, run_sum, target_logit = partial
@@ -280,21 +319,22 @@ def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weig
                 g.zero_()
         return (grad_x.to(x.dtype) if need_input else None), grad_w, grad_b
     unit_scale = row_scale / scale_max
-    (block_n, block_v, block_d, warps, stages) = _tiles(x)["logits"]
+    (block_n, block_v, block_d, warps, stages) = _tiles(x)["grad_logits"]
     (in_n, in_d, in_k, in_warps, in_stages) = _tiles(x)["grad_input"]
     precision = _precision(x.dtype)
     chunk = chunk_columns(N, V, x.element_size())
     grads = torch.empty(N, chunk, device=x.device, dtype=x.dtype)
+    x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
     for c0 in range(0, V, chunk):
         c1 = min(V, c0 + chunk)
         g = grads[:, : c1 - c0]
         grid = (triton.cdiv(N, block_n) * triton.cdiv(c1 - c0, block_v),)
         grad_logits_kernel[grid](
-            x, weight, bias if bias is not None else x, target, lse, unit_scale, g,
+            x_src, w_src, bias if bias is not None else x, target, lse, unit_scale, g,
             N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
             GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision, UPCAST=_upcast(x),
-            num_warps=warps, num_stages=stages,
+            TMA=tma, num_warps=warps, num_stages=stages,
         )
         if need_weight:
             # one product over all N: fp32 accumulation inside, dW rows written once
