@@ -1,0 +1,551 @@
+"""Train a small GPT whose residual connections are plain (baseline), hyper-connections (HC) or mHC.
+
+    python examples/train_toy_lm.py --compare                  # all three arms, CPU, < 5 minutes
+    python examples/train_toy_lm.py --residual mhc --steps 500
+    python examples/train_toy_lm.py --preset gpu --compare     # one GPU: Triton kernels, fused loss
+    python examples/train_toy_lm.py --text book.txt --compare  # bytes of any text file
+    torchrun --nproc_per_node=2 examples/train_toy_lm.py --compare   # data-parallel (DDP)
+    python examples/train_toy_lm.py --report runs/toy_lm       # redraw plots and table from logs
+
+The default data is a synthetic language with a known optimum: an order-2 Markov chain whose
+every context allows ``--branching`` next tokens, started in its stationary distribution, so the
+best achievable loss is computed exactly and drawn under the loss curves. Everything is
+deterministic given ``--seed``: every arm of a comparison sees the same batches.
+
+Outputs under ``--out-dir``: ``<arm>_seed<s>.jsonl`` (one record per logged step: train loss, val
+loss, gradient norm, tokens/s, peak memory, and for HC/mHC the per-layer and composite "Amax gain"
+of ``h_res``), ``<arm>_seed<s>.pt`` (checkpoint, used by ``--resume``), ``<arm>_seed<s>_h_res.json``
+(a few ``h_res`` matrices), and with ``--compare``: ``loss_curves.png``, ``gain.png``,
+``h_res_heatmap.png`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mhc.losses import LinearCrossEntropy
+from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
+
+ARMS = ("baseline", "hc", "mhc")
+PRESETS = {
+    # a 2-core CPU runs the three-arm comparison in a few minutes
+    "cpu": dict(dim=64, layers=4, heads=4, seq_len=64, batch_size=16, steps=600, lr=1e-2,
+                vocab=16, branching=4, eval_every=50, eval_batches=4, loss="torch",
+                dtype="float32"),
+    # one GPU: bf16 autocast, the Triton Sinkhorn kernels and the fused linear cross-entropy
+    "gpu": dict(dim=512, layers=8, heads=8, seq_len=256, batch_size=32, steps=800, lr=1e-3,
+                vocab=128, branching=4, eval_every=50, eval_batches=8, loss="fused",
+                dtype="bfloat16"),
+}
+
+
+# ------------------------------------------------------------------------------ data
+
+
+class MarkovSource:
+    """Order-``order`` Markov chain over ``vocab`` tokens; each context allows ``branching`` next
+    tokens, with probabilities drawn from a flat Dirichlet. Sequences start in the stationary
+    distribution of contexts, so the optimal loss at every position is known exactly."""
+
+    def __init__(self, vocab: int, branching: int, seed: int, order: int = 2):
+        g = torch.Generator().manual_seed(10_007 * seed + 1)
+        self.vocab, self.order = vocab, order
+        contexts = vocab**order
+        self.successors = torch.rand(contexts, vocab, generator=g).argsort(dim=1)[:, :branching]
+        weights = -torch.log(torch.rand(contexts, branching, generator=g, dtype=torch.float64))
+        self.probs = weights / weights.sum(dim=1, keepdim=True)  # Dirichlet(1, ..., 1)
+        # context (a_1 .. a_k) -> (a_2 .. a_k, c): the index drops a_1 and appends c
+        self.next_context = (torch.arange(contexts)[:, None] % vocab ** (order - 1)) * vocab + self.successors
+        self.stationary = self._stationary()
+
+    def _stationary(self, iters: int = 3000) -> torch.Tensor:
+        # Cesaro average of the power iteration: a stationary distribution even for periodic chains
+        p = torch.full((self.probs.shape[0],), 1.0 / self.probs.shape[0], dtype=torch.float64)
+        total = torch.zeros_like(p)
+        for i in range(iters):
+            p = torch.zeros_like(p).index_add_(0, self.next_context.reshape(-1), (p[:, None] * self.probs).reshape(-1))
+            if i >= iters // 2:
+                total += p
+        return total / total.sum()
+
+    def entropy_rate(self) -> float:
+        """Nats per token once a whole context is visible: the loss floor for most positions."""
+        h = -(self.probs * self.probs.log()).sum(dim=1)
+        return float((self.stationary * h).sum())
+
+    def optimum(self, seq_len: int) -> float:
+        """Best achievable mean loss over the ``seq_len`` predicted positions of a window."""
+        joint = self.stationary.reshape([self.vocab] * self.order)
+        prefix_entropy = []  # H(X_0 .. X_t) for t < order
+        for t in range(self.order):
+            marginal = joint.sum(dim=tuple(range(t + 1, self.order))) if t + 1 < self.order else joint
+            m = marginal[marginal > 0]
+            prefix_entropy.append(float(-(m * m.log()).sum()))
+        per_position = []
+        for t in range(1, seq_len + 1):  # position t is predicted from tokens 0 .. t-1
+            per_position.append(prefix_entropy[t] - prefix_entropy[t - 1] if t < self.order else self.entropy_rate())
+        return sum(per_position) / seq_len
+
+    def sample(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """``[batch, length]`` token ids."""
+        context = torch.multinomial(self.stationary, batch, replacement=True, generator=generator)
+        tokens = [(context // self.vocab ** (self.order - 1 - i)) % self.vocab for i in range(self.order)]
+        while len(tokens) < length:
+            choice = torch.multinomial(self.probs[context], 1, generator=generator).squeeze(1)
+            tokens.append(self.successors[context, choice])
+            context = self.next_context[context, choice]
+        return torch.stack(tokens[:length], dim=1)
+
+
+class TextSource:
+    """Bytes of a text file (vocabulary 256): the first 90% for training, the rest for validation."""
+
+    vocab = 256
+
+    def __init__(self, path: str):
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
+        split = int(0.9 * len(data))
+        self.parts = {"train": data[:split], "val": data[split:]}
+
+    def optimum(self, seq_len: int) -> None:
+        return None  # unknown for real text
+
+    def sample(self, batch: int, length: int, generator: torch.Generator, split: str = "train") -> torch.Tensor:
+        data = self.parts[split]
+        starts = torch.randint(0, len(data) - length, (batch,), generator=generator)
+        return torch.stack([data[s : s + length] for s in starts.tolist()])
+
+
+def make_source(args):
+    return TextSource(args.text) if args.text else MarkovSource(args.vocab, args.branching, args.seed)
+
+
+def batch_for_step(source, args, step: int, split: str = "train") -> torch.Tensor:
+    """The global batch ``[batch_size, seq_len + 1]`` of a step: a pure function of (seed, step),
+    so every arm, every rank and a resumed run see the same data."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + (0 if split == "train" else 500_009))
+    if isinstance(source, TextSource):
+        return source.sample(args.batch_size, args.seq_len + 1, g, split)
+    return source.sample(args.batch_size, args.seq_len + 1, g)
+
+
+# ------------------------------------------------------------------------------ model
+
+
+class Attention(nn.Module):
+    """Pre-norm causal self-attention."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, T, D = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, D // self.heads).unbind(dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    """Pre-norm two-layer GELU MLP."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class TinyGPT(nn.Module):
+    """GPT whose every branch (attention, MLP) sits on a plain residual (``baseline``) or inside a
+    :class:`HyperConnection` on ``streams`` residual streams (``hc``: unconstrained, ``mhc``: h_res
+    doubly stochastic). The head and loss are one :class:`LinearCrossEntropy`."""
+
+    def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss):
+        super().__init__()
+        self.residual, self.streams, self.loss = residual, streams, loss
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
+        branches = [m for _ in range(layers) for m in (Attention(dim, heads), MLP(dim))]
+        if residual == "baseline":
+            self.blocks = nn.ModuleList(branches)
+        else:
+            constraint = "sinkhorn" if residual == "mhc" else "none"
+            self.blocks = nn.ModuleList(
+                HyperConnection(dim, streams, branch=b, sinkhorn_iters=sinkhorn_iters, constraint=constraint)
+                for b in branches
+            )
+        self.norm = nn.RMSNorm(dim)
+        self.head = LinearCrossEntropy(dim, vocab)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        if self.residual == "baseline":
+            for branch in self.blocks:
+                h = h + branch(h)
+        else:
+            x = expand_streams(h, self.streams)  # [B, T, n, dim]
+            for hc in self.blocks:
+                x = hc(x)
+            h = reduce_streams(x)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(tokens)
+        if self.loss == "fused":
+            return self.head(h, targets)
+        logits = self.head.linear(h)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_model(args, arm: str, vocab: int) -> TinyGPT:
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    return TinyGPT(vocab, args.dim, args.layers, args.heads, args.seq_len, arm, args.streams,
+                   args.sinkhorn_iters, args.loss)
+
+
+# ------------------------------------------------------------------------------ measurement
+
+
+def autocast(args, device):
+    enabled = args.dtype != "float32"
+    return torch.autocast(device.type, dtype=getattr(torch, args.dtype), enabled=enabled)
+
+
+@torch.no_grad()
+def evaluate(model, val_batches, args, device) -> dict:
+    """Mean validation loss, and for HC/mHC the Amax gains of h_res on the first val batch."""
+    model.eval()
+    losses = []
+    record = {}
+    for i, batch in enumerate(val_batches):
+        batch = batch.to(device)
+        with autocast(args, device), collect_h_res(model) as h_res:
+            losses.append(model(batch[:, :-1], batch[:, 1:]).float().item())
+        if i == 0 and h_res:
+            record["gain"] = gain_record(h_res)
+    model.train()
+    record["val_loss"] = sum(losses) / len(losses)
+    return record
+
+
+def gain_record(h_res: list) -> dict:
+    report = amax_gain(h_res)
+    return {k: getattr(report, k).tolist() for k in ("forward", "backward", "composite_forward", "composite_backward")}
+
+
+def peak_memory_mib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (process RSS)
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}_seed{seed}"
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10%."""
+    warm = max(1, args.steps // 20)
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, args.steps - warm)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(arm: str, args, source, device, rank: int, world: int) -> Path:
+    """Train one arm; returns its JSONL log. Rank 0 logs, evaluates and checkpoints."""
+    out = Path(args.out_dir)
+    name = run_name(arm, args.seed)
+    log_path, ckpt_path = out / f"{name}.jsonl", out / f"{name}.pt"
+    model = build_model(args, arm, source.vocab).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start = 0
+    if args.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+    records = [json.loads(line) for line in open(log_path)] if start and log_path.exists() else []
+    records = [r for r in records if r["step"] <= start]  # drop what was logged after the checkpoint
+    if rank == 0:
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    val_batches = [batch_for_step(source, args, i, "val") for i in range(args.eval_batches)]
+    optimum = source.optimum(args.seq_len)
+    progress = _progress(args, rank, start, name)
+    tokens_per_step = args.batch_size * args.seq_len
+    tick, last_logged = time.perf_counter(), start
+    for step in range(start, args.steps):
+        batch = batch_for_step(source, args, step).chunk(world)[rank].to(device)  # this rank's rows
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        with autocast(args, device):
+            loss = trained(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        done = step + 1
+        if done % args.log_every and done != args.steps and done % args.eval_every:
+            progress.update(1)
+            continue
+        train_loss = loss.detach().float()
+        if world > 1:
+            dist.all_reduce(train_loss)
+            train_loss /= world
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        record = dict(step=done, train_loss=train_loss.item(), grad_norm=grad_norm.item(),
+                      tokens_per_s=(done - last_logged) * tokens_per_step / (now - tick),
+                      peak_mem_mib=peak_memory_mib(device), lr=lr_at(step, args), optimum=optimum)
+        tick, last_logged = now, done
+        if rank == 0 and (done % args.eval_every == 0 or done == args.steps):
+            record.update(evaluate(model, val_batches, args, device))
+        if rank == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        progress.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.update(1)
+        if rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
+            torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=done, args=vars(args), arm=arm), ckpt_path)
+        tick = time.perf_counter()  # evaluation and checkpointing are not training time
+    progress.close()
+    if rank == 0 and arm != "baseline":
+        save_h_res(model, val_batches[0], args, device, out / f"{name}_h_res.json")
+    return log_path
+
+
+def _progress(args, rank, start, name):
+    from tqdm import tqdm
+
+    return tqdm(total=args.steps, initial=start, desc=name, disable=rank != 0 or args.no_progress, dynamic_ncols=True)
+
+
+@torch.no_grad()
+def save_h_res(model, batch, args, device, path: Path) -> None:
+    """h_res of the first, middle and last hyper-connection for the first validation token."""
+    model.eval()
+    with autocast(args, device), collect_h_res(model) as h_res:
+        model(batch[:1, :-1].to(device), batch[:1, 1:].to(device))
+    layers = sorted({0, len(h_res) // 2, len(h_res) - 1})
+    path.write_text(json.dumps({str(i): h_res[i][0, 0].float().tolist() for i in layers}))
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def load_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def make_report(out: Path, arms, seed: int, command: str) -> None:
+    """Loss curves, gain plot, h_res heatmap and a Markdown table from the logs in ``out``."""
+    logs = {arm: load_log(out / f"{run_name(arm, seed)}.jsonl") for arm in arms if (out / f"{run_name(arm, seed)}.jsonl").exists()}
+    write_summary(out, logs, command)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib, then --report)")
+        return
+    plot_losses(plt, logs, out / "loss_curves.png")
+    plot_gains(plt, logs, out / "gain.png")
+    plot_h_res(plt, out, [a for a in logs if a != "baseline"], seed, out / "h_res_heatmap.png")
+
+
+def _final(records, key):
+    values = [r[key] for r in records if key in r]
+    return values[-1] if values else float("nan")
+
+
+def write_summary(out: Path, logs: dict, command: str) -> None:
+    optimum = next((r["optimum"] for rs in logs.values() for r in rs if r.get("optimum") is not None), None)
+    lines = [f"Command: `{command}`", f"Hardware: {hardware()}", ""]
+    if optimum is not None:
+        lines.append(f"Optimum (entropy of the synthetic source over the window): {optimum:.4f} nats/token")
+        lines.append("")
+    lines.append("| arm | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) | max composite gain fwd / bwd |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for arm, rs in logs.items():
+        val = _final(rs, "val_loss")
+        gap = f"{val - optimum:.4f}" if optimum is not None else "n/a"
+        speed = sorted(r["tokens_per_s"] for r in rs)[len(rs) // 2]  # median over logged intervals
+        gains = [r["gain"] for r in rs if "gain" in r]
+        gain = f"{max(gains[-1]['composite_forward']):.3g} / {max(gains[-1]['composite_backward']):.3g}" if gains else "n/a"
+        lines.append(f"| {arm} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} | {_final(rs, 'peak_mem_mib'):.0f} | {gain} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def plot_losses(plt, logs, path):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, rs in logs.items():
+        line, = ax.plot([r["step"] for r in rs], [r["train_loss"] for r in rs], alpha=0.35, lw=1)
+        ev = [r for r in rs if "val_loss" in r]
+        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(), ms=3, label=f"{arm} (val)")
+    optimum = next((r["optimum"] for rs in logs.values() for r in rs if r.get("optimum") is not None), None)
+    if optimum is not None:
+        ax.axhline(optimum, color="k", ls="--", lw=1, label=f"optimum {optimum:.3f}")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training (thin) and validation loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gains(plt, logs, path):
+    arms = [a for a, rs in logs.items() if any("gain" in r for r in rs)]
+    if not arms:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for arm in arms:
+        gain = [r["gain"] for r in logs[arm] if "gain" in r][-1]
+        layers = range(len(gain["forward"]))
+        for ax, prefix in zip(axes, ("", "composite_")):
+            line, = ax.plot(layers, gain[prefix + "forward"], "-", label=f"{arm} forward")
+            ax.plot(layers, gain[prefix + "backward"], "--", color=line.get_color(), label=f"{arm} backward")
+    axes[0].set(title="Single-layer h_res", xlabel="hyper-connection (layer)", ylabel="Amax gain magnitude", yscale="log")
+    axes[1].set(title="Composite h_res[l] ... h_res[0]", xlabel="hyper-connection (layer)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_h_res(plt, out, arms, seed, path):
+    mats = {a: json.loads((out / f"{run_name(a, seed)}_h_res.json").read_text()) for a in arms
+            if (out / f"{run_name(a, seed)}_h_res.json").exists()}
+    if not mats:
+        return
+    cols = max(len(m) for m in mats.values())
+    fig, axes = plt.subplots(len(mats), cols, figsize=(3 * cols, 3 * len(mats)), squeeze=False)
+    for row, (arm, layers) in enumerate(mats.items()):
+        for col, (layer, m) in enumerate(layers.items()):
+            m = torch.tensor(m).numpy()
+            ax = axes[row][col]
+            limit = abs(m).max()
+            im = ax.imshow(m, cmap="RdBu_r", vmin=-limit, vmax=limit)
+            for (i, j), v in _cells(m):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.set(title=f"{arm}: layer {layer}", xticks=[], yticks=[])
+            fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cells(m):
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            yield (i, j), float(m[i, j])
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model, data and schedule sizes")
+    p.add_argument("--residual", choices=ARMS, default="mhc", help="residual connection of a single run")
+    p.add_argument("--compare", action="store_true", help="train every arm (baseline, hc, mhc) and report")
+    p.add_argument("--streams", type=int, default=4, help="residual streams n of HC / mHC")
+    p.add_argument("--sinkhorn-iters", type=int, default=20)
+    p.add_argument("--loss", choices=("torch", "fused"), help="F.cross_entropy on logits, or mhc's fused loss")
+    p.add_argument("--text", help="train on the bytes of this text file instead of the synthetic source")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="runs/toy_lm")
+    p.add_argument("--resume", action="store_true", help="continue each run from its checkpoint")
+    p.add_argument("--report", metavar="DIR", help="only redraw the plots and table from the logs in DIR")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "vocab", "branching",
+                 "eval_every", "eval_batches"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset")
+    p.add_argument("--lr", type=float, help="override the preset")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="autocast dtype (override the preset)")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.streams < 1:
+        p.error(f"--streams must be >= 1, got {args.streams}")
+    if args.text and not Path(args.text).is_file():
+        p.error(f"--text: no such file: {args.text}")
+    for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dim % args.heads:
+        p.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
+    if not args.text and not 1 <= args.branching <= args.vocab:
+        p.error(f"--branching must be in [1, --vocab], got {args.branching}")
+    return args
+
+
+def main(argv=None) -> list[Path]:
+    args = parse_args(argv)
+    command = "python examples/train_toy_lm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        make_report(Path(args.report), ARMS, args.seed, command)
+        return []
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world > 1:
+        if args.batch_size % world:
+            sys.exit(f"--batch-size ({args.batch_size}) must be divisible by the {world} processes")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    source = make_source(args)
+    if rank == 0 and source.optimum(args.seq_len) is not None:
+        print(f"synthetic source: vocab {source.vocab}, optimum {source.optimum(args.seq_len):.4f} nats/token "
+              f"(uniform guess {math.log(source.vocab):.4f})")
+    arms = ARMS if args.compare else (args.residual,)
+    logs = [train(arm, args, source, device, rank, world) for arm in arms]
+    if rank == 0:
+        make_report(Path(args.out_dir), arms, args.seed, command)
+    if world > 1:
+        dist.destroy_process_group()
+    return logs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The toy language-model example: quick path per arm, resume, data parallel, metrics, bad flags."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhc.mixing import amax_gain, collect_h_res
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_toy_lm.py"
+spec = importlib.util.spec_from_file_location("train_toy_lm", SCRIPT)
+toy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(toy)
+
+TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "24", "--batch-size", "8",
+        "--eval-batches", "2", "--log-every", "2", "--no-progress", "--device", "cpu"]
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def final_params(path):
+    return torch.load(path, weights_only=False)["model"]
+
+
+def test_compare_quick_path_learns_and_writes_everything(tmp_path):
+    toy.main(["--compare", "--steps", "24", "--eval-every", "12", "--lr", "1e-2", "--out-dir", str(tmp_path)] + TINY)
+    for arm in toy.ARMS:
+        log = records(tmp_path / f"{arm}_seed0.jsonl")
+        assert [r["step"] for r in log] == list(range(2, 25, 2))
+        assert log[-1]["train_loss"] < log[0]["train_loss"] - 0.1  # it learns
+        assert log[-1]["val_loss"] < 2.7  # below the uniform guess ln(16) = 2.77
+        assert all(r["tokens_per_s"] > 0 and r["peak_mem_mib"] > 0 and r["grad_norm"] > 0 for r in log)
+        assert ("gain" in log[-1]) == (arm != "baseline")
+    for name in ("loss_curves.png", "gain.png", "h_res_heatmap.png", "summary.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(f"| {arm} |" in summary for arm in toy.ARMS) and "Optimum" in summary
+
+
+def test_logged_gains_are_the_mixing_metric(tmp_path):
+    """The JSONL gains equal amax_gain of the final model's h_res on the first validation batch."""
+    args = ["--residual", "hc", "--steps", "6", "--eval-every", "6", "--lr", "1e-2", "--out-dir", str(tmp_path)] + TINY
+    toy.main(args)
+    logged = records(tmp_path / "hc_seed0.jsonl")[-1]["gain"]
+    parsed = toy.parse_args(args)
+    model = toy.build_model(parsed, "hc", parsed.vocab)
+    model.load_state_dict(final_params(tmp_path / "hc_seed0.pt"))
+    batch = toy.batch_for_step(toy.make_source(parsed), parsed, 0, "val")
+    model.eval()
+    with torch.no_grad(), collect_h_res(model) as h_res:
+        model(batch[:, :-1], batch[:, 1:])
+    report = amax_gain(h_res)
+    assert len(h_res) == 4  # 2 layers x (attention, MLP)
+    for key in ("forward", "backward", "composite_forward", "composite_backward"):
+        torch.testing.assert_close(torch.tensor(logged[key], dtype=torch.float64), getattr(report, key))
+    assert max(logged["composite_forward"]) > 1.0 + 1e-6  # HC drifted away from the identity
+
+
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    common = ["--residual", "mhc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"] + TINY
+    toy.main(common + ["--out-dir", str(tmp_path / "straight")])
+    batch_for_step = toy.batch_for_step
+
+    def interrupted(source, args, step, split="train"):
+        if step == 6 and split == "train":
+            raise KeyboardInterrupt  # killed after the step-4 checkpoint, with steps 5-6 logged
+        return batch_for_step(source, args, step, split)
+
+    monkeypatch.setattr(toy, "batch_for_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        toy.main(common + ["--out-dir", str(tmp_path / "resumed")])
+    monkeypatch.setattr(toy, "batch_for_step", batch_for_step)
+    toy.main(common + ["--out-dir", str(tmp_path / "resumed"), "--resume"])
+    straight, resumed = final_params(tmp_path / "straight/mhc_seed0.pt"), final_params(tmp_path / "resumed/mhc_seed0.pt")
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    steps = [r["step"] for r in records(tmp_path / "resumed/mhc_seed0.jsonl")]
+    assert steps == [2, 4, 6, 8]  # the records logged after the checkpoint were replaced, not doubled
+
+
+def test_fused_loss_matches_torch_loss(tmp_path):
+    losses = {}
+    for loss in ("torch", "fused"):
+        out = tmp_path / loss
+        toy.main(["--residual", "mhc", "--steps", "4", "--eval-every", "4", "--loss", loss, "--out-dir", str(out)] + TINY)
+        losses[loss] = [r["train_loss"] for r in records(out / "mhc_seed0.jsonl")]
+    torch.testing.assert_close(torch.tensor(losses["fused"]), torch.tensor(losses["torch"]), atol=1e-4, rtol=1e-4)
+
+
+def test_text_file_data(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    toy.main(["--residual", "baseline", "--text", str(text), "--steps", "4", "--eval-every", "4", "--out-dir", str(tmp_path)] + TINY)
+    log = records(tmp_path / "baseline_seed0.jsonl")
+    assert log[-1]["optimum"] is None and 0 < log[-1]["val_loss"] < 6.0
+    assert "| baseline |" in (tmp_path / "summary.md").read_text()
+
+
+def test_optimum_matches_the_sampled_sequences():
+    source = toy.MarkovSource(vocab=8, branching=3, seed=3)
+    tokens = source.sample(4000, 17, torch.Generator().manual_seed(0))
+    joint = source.stationary.reshape(8, 8)
+    nll = [-(joint[tokens[:, 0], tokens[:, 1]] / joint.sum(1)[tokens[:, 0]]).log().mean()]
+    for t in range(2, 17):
+        ctx = tokens[:, t - 2] * 8 + tokens[:, t - 1]
+        p = (source.probs[ctx] * (source.successors[ctx] == tokens[:, t : t + 1])).sum(1)
+        nll.append(-p.log().mean())
+    assert abs(float(torch.stack(nll).mean()) - source.optimum(16)) < 0.02
+    assert source.optimum(16) < torch.log(torch.tensor(3.0))  # never above log(branching) on average
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--residual", "resnet"], "invalid choice: 'resnet'"),
+        (["--streams", "0"], "--streams must be >= 1"),
+        (["--text", "/no/such/file.txt"], "no such file"),
+        (["--dim", "30", "--heads", "4"], "multiple of --heads"),
+        (["--branching", "40"], "--branching must be in"),
+    ],
+)
+def test_bad_flags_exit_with_a_clear_message(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        toy.parse_args(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_data_parallel_equals_single_process(tmp_path):
+    """torchrun with 2 gloo processes on CPU ends with the parameters of one process on the same
+    global batch (DDP averages the two half-batch gradients).
+
+    Losses and gradient norms agree to float rounding. Parameters agree to a tenth of one Adam
+    step (lr = 1e-2): Adam divides by the gradient's magnitude, so on parameters whose gradient is
+    near zero (b_pre) it turns rounding differences of the all-reduce into visible updates."""
+    args = ["--residual", "mhc", "--steps", "3", "--eval-every", "3", "--log-every", "1"] + TINY
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
+    subprocess.run(ddp + args + ["--out-dir", str(tmp_path / "ddp")], check=True, env=env, cwd=ROOT, timeout=300)
+    subprocess.run([sys.executable, str(SCRIPT)] + args + ["--out-dir", str(tmp_path / "single")], check=True,
+                   env=env, cwd=ROOT, timeout=300)
+    ddp_params, single_params = final_params(tmp_path / "ddp/mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
+    for key in single_params:
+        torch.testing.assert_close(ddp_params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
+    ddp_log, single_log = records(tmp_path / "ddp/mhc_seed0.jsonl"), records(tmp_path / "single/mhc_seed0.jsonl")
+    for a, b in zip(ddp_log, single_log):
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 and abs(a["grad_norm"] / b["grad_norm"] - 1) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_path_with_kernels_and_fused_loss(tmp_path):
+    """The GPU preset's path: bf16 autocast, Triton Sinkhorn kernels, fused loss; it learns."""
+    toy.main(["--preset", "gpu", "--compare", "--steps", "30", "--eval-every", "15", "--dim", "64",
+              "--layers", "2", "--heads", "2", "--seq-len", "64", "--batch-size", "16", "--eval-batches", "2",
+              "--vocab", "16", "--lr", "1e-2", "--no-progress", "--device", "cuda", "--out-dir", str(tmp_path)])
+    for arm in toy.ARMS:
+        log = records(tmp_path / f"{arm}_seed0.jsonl")
+        assert log[-1]["train_loss"] < log[0]["train_loss"] - 0.1
