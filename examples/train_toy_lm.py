@@ -46,8 +46,8 @@ PRESETS = {
                 vocab=16, branching=4, eval_every=50, eval_batches=4, loss="torch",
                 dtype="float32"),
     # one GPU: bf16 autocast, the Triton Sinkhorn kernels and the fused linear cross-entropy
-    "gpu": dict(dim=512, layers=8, heads=8, seq_len=256, batch_size=32, steps=800, lr=1e-3,
-                vocab=128, branching=4, eval_every=50, eval_batches=8, loss="fused",
+    "gpu": dict(dim=512, layers=8, heads=8, seq_len=256, batch_size=32, steps=1000, lr=2e-3,
+                vocab=32, branching=4, eval_every=50, eval_batches=8, loss="fused",
                 dtype="bfloat16"),
 }
 
@@ -387,7 +387,8 @@ def _final(records, key):
 
 def write_summary(out: Path, logs: dict, command: str) -> None:
     optimum = next((r["optimum"] for rs in logs.values() for r in rs if r.get("optimum") is not None), None)
-    lines = [f"Command: `{command}`", f"Hardware: {hardware()}", ""]
+    run = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    lines = [f"Command: `{run.get('command', command)}`", f"Hardware: {run.get('hardware', hardware())}", ""]
     if optimum is not None:
         lines.append(f"Optimum (entropy of the synthetic source over the window): {optimum:.4f} nats/token")
         lines.append("")
@@ -539,6 +540,8 @@ def main(argv=None) -> list[Path]:
         print(f"synthetic source: vocab {source.vocab}, optimum {source.optimum(args.seq_len):.4f} nats/token "
               f"(uniform guess {math.log(source.vocab):.4f})")
     arms = ARMS if args.compare else (args.residual,)
+    if rank == 0:  # what produced the logs, for reports redrawn later with --report
+        (Path(args.out_dir) / "run.json").write_text(json.dumps(dict(command=command, hardware=hardware(), world_size=world)))
     logs = [train(arm, args, source, device, rank, world) for arm in arms]
     if rank == 0:
         make_report(Path(args.out_dir), arms, args.seed, command)

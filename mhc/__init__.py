@@ -3,6 +3,8 @@
 - ``mhc.layer``: ``sinkhorn`` and ``FusedMHC`` (Triton Sinkhorn-Knopp with exact and implicit
   backward kernels).
 - ``mhc.mixing``: ``HyperConnection`` (mHC / HC), ``LaneMixer``, stream helpers, stability metric.
+- ``mhc.losses``: ``linear_cross_entropy`` and ``LinearCrossEntropy`` (fused linear + cross-entropy,
+  never materialising the logits).
 - ``mhc.reference``: the pure-PyTorch oracle.
 - ``mhc.kernels``: the Triton kernels and launchers (imported on first use).
 """

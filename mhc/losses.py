@@ -203,6 +203,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
+def _autocast(device_type, *tensors):
+    """Cast floating fp16 / bf16 / fp32 tensors to the autocast dtype, as ``F.linear`` would."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in KERNEL_DTYPES else t
+            for t in tensors]
+
+
 @torch.compiler.disable
 def _apply(x, weight, bias, target, reduction, ignore_index, backend):
     # host-side chunk loops and a host sync: torch.compile runs this op eagerly (a graph break)
@@ -247,12 +254,10 @@ def linear_cross_entropy(
         the input dtype; under autocast, input, weight and bias are cast to the autocast dtype
         as ``F.linear`` would.
     """
+    device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        input, linear_weight, linear_bias = _autocast(device_type, input, linear_weight, linear_bias)
     _check_inputs(input, linear_weight, target, linear_bias, reduction, ignore_index, backend)
-    device_type = input.device.type
-    if torch.is_autocast_enabled(device_type) and input.dtype in KERNEL_DTYPES:
-        dtype = torch.get_autocast_dtype(device_type)
-        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
-        linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
     backend = _resolve_backend(input, backend)
     vocab, dim = linear_weight.shape
     _check_targets(target, vocab, ignore_index)

@@ -238,6 +238,10 @@ def test_autocast_casts_like_linear():
     want = run(reference, *fp64(x, w, None), t, torch.tensor(1.0, dtype=torch.float64), "mean")
     torch.testing.assert_close(loss.double(), want[0], atol=0.05, rtol=0.02)
     torch.testing.assert_close(wg.grad.double(), want[2], atol=5e-3, rtol=0.05)
+    # activations already in bf16, fp32 master weights: cast like F.linear, no dtype error
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = linear_cross_entropy(x.bfloat16(), wg, t)
+    torch.testing.assert_close(mixed, loss)
 
 
 # ---------------------------------------------------------------- errors

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,9 +158,9 @@ def test_data_parallel_equals_single_process(tmp_path):
 @pytest.mark.gpu
 def test_gpu_path_with_kernels_and_fused_loss(tmp_path):
     """The GPU preset's path: bf16 autocast, Triton Sinkhorn kernels, fused loss; it learns."""
-    toy.main(["--preset", "gpu", "--compare", "--steps", "30", "--eval-every", "15", "--dim", "64",
+    toy.main(["--preset", "gpu", "--compare", "--steps", "100", "--eval-every", "50", "--dim", "64",
               "--layers", "2", "--heads", "2", "--seq-len", "64", "--batch-size", "16", "--eval-batches", "2",
               "--vocab", "16", "--lr", "1e-2", "--no-progress", "--device", "cuda", "--out-dir", str(tmp_path)])
     for arm in toy.ARMS:
         log = records(tmp_path / f"{arm}_seed0.jsonl")
-        assert log[-1]["train_loss"] < log[0]["train_loss"] - 0.1
+        assert log[-1]["val_loss"] < math.log(16) - 0.15  # below the uniform guess
