@@ -295,3 +295,19 @@ def test_descriptor_and_pointer_loads_agree(monkeypatch):
     monkeypatch.setattr(lce, "USE_TMA", True)
     assert lce._sources(x, w, 32, 32, 32)[2] is (lce.TensorDescriptor is not None)
     assert lce._sources(x[:, 1:], w[:, 1:], 32, 32, 32)[2] is False  # rows not 16-byte aligned
+
+
+def test_inside_torch_compile_is_a_clean_graph_break():
+    """torch.compile runs the op eagerly (it loops over chunks on the host); results unchanged."""
+    x, w, _, t = make(16, 8, 20, bias=False, seed=10)
+    w = w.requires_grad_()
+
+    def step(x, w, t):
+        return linear_cross_entropy(torch.tanh(x) * 2.0, w, t)
+
+    compiled = torch.compile(step, backend="eager")
+    compiled(x, w, t).backward()
+    got = w.grad.clone()
+    w.grad = None
+    step(x, w, t).backward()
+    torch.testing.assert_close(got, w.grad)
