@@ -59,11 +59,7 @@ def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
             raise ValueError(
                 f"the Triton kernels take n <= {MAX_N}, got n = {n}; use backend='torch'"
             )
-        if not logits.is_cuda and not _kernels().INTERPRET:
-            raise ValueError(
-                "backend='triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before mhc is "
-                f"imported to run the kernels on the CPU; got a tensor on {logits.device}"
-            )
+        _kernels().check_device(logits)
     return backend
 
 

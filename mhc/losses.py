@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mhc.layer import BACKENDS, FLOAT_DTYPES
+
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
-BACKENDS = ("auto", "triton", "torch")
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the PyTorch path's [N, chunk] logits buffer stays within this many bytes
 TORCH_CHUNK_BYTES = 64 * 2**20
@@ -24,10 +24,9 @@ TORCH_CHUNK_BYTES = 64 * 2**20
 
 def _kernels():
     # Imported on first use so that CPU-only users of the torch backend never need Triton.
-    import mhc.kernels
-    import mhc.kernels.linear_cross_entropy as lce
+    import mhc.kernels.linear_cross_entropy
 
-    return mhc.kernels, lce
+    return mhc.kernels
 
 
 def _check_inputs(input, weight, target, bias, reduction, ignore_index, backend) -> None:
@@ -87,11 +86,7 @@ def _resolve_backend(input: torch.Tensor, backend: str) -> str:
         if input.dtype not in KERNEL_DTYPES:
             raise ValueError(f"the Triton kernels take float16, bfloat16 or float32, got "
                              f"{input.dtype}; use backend='torch'")
-        if not input.is_cuda and not _kernels()[0].INTERPRET:
-            raise ValueError(
-                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before mhc is "
-                f"imported to run the kernels on the CPU; got tensors on {input.device}"
-            )
+        _kernels().check_device(input)
     return backend
 
 
@@ -162,7 +157,7 @@ def torch_grad_backward(x, weight, bias, target, lse, row_scale, need_input, nee
 def _passes(backend: str):
     if backend == "torch":
         return torch_lse_forward, torch_grad_backward
-    lce = _kernels()[1]
+    lce = _kernels().linear_cross_entropy
     return lce.lse_forward, lce.grad_backward
 
 

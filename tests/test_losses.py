@@ -311,3 +311,12 @@ def test_inside_torch_compile_is_a_clean_graph_break():
     w.grad = None
     step(x, w, t).backward()
     torch.testing.assert_close(got, w.grad)
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    import mhc.kernels
+
+    x, w, _, t = make(8, 12, 30, bias=False, seed=0)
+    monkeypatch.setattr(mhc.kernels, "INTERPRET", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        linear_cross_entropy(x, w, t, backend="triton")

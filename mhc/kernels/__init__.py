@@ -12,4 +12,16 @@ from mhc.kernels.sinkhorn_implicit import sinkhorn_implicit_bwd
 # Triton decides at decoration time whether kernels are compiled or interpreted.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-__all__ = ["MAX_N", "INTERPRET", "sinkhorn_fwd", "sinkhorn_bwd", "sinkhorn_implicit_bwd"]
+
+
+def check_device(tensor) -> None:
+    """Raise unless the kernels can run on ``tensor``: CUDA, or any device under the interpreter."""
+    if not tensor.is_cuda and not INTERPRET:
+        raise ValueError(
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before mhc is "
+            f"imported to run the kernels on the CPU; got a tensor on {tensor.device}"
+        )
+
+
+__all__ = ["MAX_N", "INTERPRET", "check_device", "sinkhorn_fwd", "sinkhorn_bwd",
+           "sinkhorn_implicit_bwd"]
