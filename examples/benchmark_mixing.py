@@ -1,25 +1,43 @@
-"""Benchmark one mHC-wrapped MLP block against the same block with a plain residual.
+"""Benchmark hyper-connections against plain residuals and the peers, from one kernel to a model.
 
-    python examples/benchmark_mixing.py --out results/mixing.csv      # on a CUDA GPU
+    python examples/benchmark_mixing.py --out-dir results/mixing      # on a CUDA GPU
 
-Forward+backward of ``x + MLP(norm(x))`` (plain residual) and of ``HyperConnection`` around the
-same MLP (n = 4 streams), bf16 activations, ``triton.testing.do_bench`` medians, peak memory beyond
-the inputs, then a profile of the mHC block (where the time goes). Peers (lucidrains'
-``hyper-connections``, Liger-Kernel's ``LigerMHC``) are timed when importable and reported as
-skipped otherwise.
+Three tables, all bf16 activations, forward + backward, ``triton.testing.do_bench`` medians
+after warm-up, in one run:
+
+- ``kernels``: each fused kernel of one mHC layer (d = 4096, n = 4, 16k tokens) against the bytes
+  it must move, as GB/s and as a fraction of a measured device copy;
+- ``block``: one MLP block (RMSNorm, d -> 4d -> d, GELU) with a plain residual, inside an mhc
+  ``HyperConnection`` (fused kernels and the PyTorch reference path) and inside Liger-Kernel's
+  ``LigerMHC``, for every d and n asked; peak memory beyond the inputs;
+- ``model``: an 8-layer GPT (d = 1024, 16 heads, SDPA attention, 16 hyper-connections), 8 x 2048
+  tokens, bf16 weights (mhc's coefficient parameters fp32), AdamW: one training step, eager and
+  ``torch.compile``; step time, tokens/s, peak memory.
+
+Then a profile of the fused block (where the time goes). Peers that are not installed are
+reported as skipped. Writes ``kernels.csv``, ``block.csv``, ``model.csv`` and ``profile.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from _bench import peak_extra, write_csv
 
-from mhc.mixing import HyperConnection
+from mhc.mixing import HyperConnection, expand_streams, reduce_streams
+
+DTYPE = torch.bfloat16
+
+
+# ------------------------------------------------------------------------------ modules
 
 
 class MLP(nn.Module):
@@ -30,94 +48,280 @@ class MLP(nn.Module):
         self.down = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, h):
-        return self.down(nn.functional.gelu(self.up(self.norm(h))))
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, h):
+        B, T, D = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, D // self.heads).unbind(dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
 class Residual(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, branch: nn.Module):
         super().__init__()
-        self.mlp = MLP(dim)
+        self.branch = branch
 
     def forward(self, h):
-        return h + self.mlp(h)
+        return h + self.branch(h)
 
 
-
-
-def _arms(dim, n, tokens, dtype):
-    """name -> (module factory, input shape); the MLP runs in ``dtype``, coefficients as each library keeps them."""
-    mlp = lambda: MLP(dim).cuda().to(dtype)
-    arms = {
-        "residual": (lambda: Residual(dim).cuda().to(dtype), (tokens, dim)),
-        "mhc (n=4, exact)": (lambda: HyperConnection(dim, n, mlp()).cuda(), (tokens, n, dim)),
-        "mhc (n=4, implicit)": (lambda: HyperConnection(dim, n, mlp(), backward="implicit").cuda(), (tokens, n, dim)),
-        "hc (n=4)": (lambda: HyperConnection(dim, n, mlp(), constraint="none").cuda(), (tokens, n, dim)),
-    }
-    skipped = {}
-    try:
-        from hyper_connections import mc_get_init_and_expand_reduce_stream_functions
-
-        init_hc, _, _ = mc_get_init_and_expand_reduce_stream_functions(n)
-        # streams folded into the batch: [(b s), tokens, dim] with b = 1
-        arms["lucidrains hyper-connections (mHC)"] = (lambda: init_hc(dim=dim, branch=mlp()).cuda(), (n, tokens, dim))
-    except ImportError as e:
-        skipped["lucidrains hyper-connections (mHC)"] = f"not installed ({e})"
+def _liger():
     try:
         from liger_kernel.transformers import LigerMHC
 
-        arms["Liger LigerMHC"] = (lambda: LigerMHC(mlp(), hc=n, c=dim, phi_dtype=dtype), (tokens, n, dim))
+        return LigerMHC, None
     except ImportError as e:
-        skipped["Liger LigerMHC"] = f"not installed ({e})"
+        return None, f"not installed ({e})"
+
+
+def wrap(arm: str, branch: nn.Module, dim: int, n: int) -> nn.Module:
+    """The branch (already bf16) inside the arm's residual connection; coefficients as each
+    library keeps them (fp32 for mhc, bf16 ``phi`` for Liger)."""
+    if arm == "plain":
+        return Residual(branch)
+    if arm == "mhc":
+        return HyperConnection(dim, n, branch, init="zero").cuda()
+    if arm == "mhc-torch":
+        return HyperConnection(dim, n, branch, init="zero", backend="torch").cuda()
+    if arm == "liger":
+        return _liger()[0](branch, hc=n, c=dim, phi_dtype=DTYPE).cuda()
+    raise ValueError(arm)
+
+
+def _arms():
+    arms, skipped = ["plain", "mhc", "mhc-torch"], {}
+    if _liger()[0] is None:
+        skipped["liger"] = _liger()[1]
+    else:
+        arms.append("liger")
     return arms, skipped
 
 
-def run(dim, n, tokens, out_path, profile_rows):
+# ------------------------------------------------------------------------------ kernels
+
+
+def kernel_table(dim, n, tokens, copy_gbps):
+    """Each launcher of one layer, timed alone, against the bytes it must move."""
     from triton.testing import do_bench
 
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    arms, skipped = _arms(dim, n, tokens, dtype)
-    rows = []
-    for name, (make, shape) in arms.items():
-        module = make()
-        x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
-        w = torch.randn(shape, device="cuda", dtype=dtype)
-        step = lambda: module(x).backward(w)
-        params = list(module.parameters())
-        ms = do_bench(step, warmup=50, rep=200, grad_to_none=[x, *params], return_mode="median")
-        peak = peak_extra(step)
-        rows.append(dict(arm=name, ms=ms, peak_extra_gib=peak / 2**30, note=""))
-        print(f"{name:>36} {ms:8.3f} ms  peak +{peak / 2**30:6.2f} GiB", flush=True)
-        if name == "mhc (n=4, exact)" and profile_rows:
-            from torch.profiler import ProfilerActivity, profile
+    from mhc import kernels
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step()
+    T, K, M = tokens, n * dim, 2 * n + n * n
+    x = torch.randn(T, n, dim, device="cuda", dtype=DTYPE)
+    y = torch.randn(T, dim, device="cuda", dtype=DTYPE)
+    phi = torch.randn(K, M, device="cuda") / math.sqrt(K)
+    gates = [torch.tensor(0.5, device="cuda") for _ in range(3)]
+    biases = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, n, device="cuda")]
+    p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+    g_out = torch.randn_like(x)
+    g_in = torch.randn_like(y)
+    dh_res = torch.randn_like(h_res)
+    X, Y = x.numel() * 2, y.numel() * 2
+    calls = {
+        "coefficients fwd (read x)": (lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20), X),
+        "pre-mix fwd (read x, write x_in)": (lambda: kernels.stream_mix_fwd(x, h_pre[:, None, :]), X + Y),
+        "post + residual fwd (read x, y; write out)": (lambda: kernels.stream_mix_fwd(x, h_res, y, h_post), 2 * X + Y),
+        "post + residual bwd (read dout, x, y; write dx, dy)": (
+            lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, g_out), 3 * X + 2 * Y),
+        "sinkhorn bwd": (lambda: kernels.sinkhorn_bwd(z_res, dh_res, 20), 3 * z_res.numel() * 4),
+        "pre-mix dh_pre (read x, dx_in)": (
+            lambda: kernels.stream_mix_bwd(x, h_pre[:, None, :], None, None, g_in[:, None, :], None, False), X + Y),
+        "projection bwd (read x, dx_acc, dx_in; write dx)": (
+            lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, h_pre, h_post, dh_res, g_in, g_out),
+            3 * X + Y),
+    }
+    rows = []
+    for name, (call, nbytes) in calls.items():
+        ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+        gbps = nbytes / ms / 1e6
+        rows.append(dict(kernel=name, ms=ms, bytes_moved=nbytes, gbps=gbps, of_copy=gbps / copy_gbps))
+        print(f"  {name:>55} {ms:8.3f} ms {gbps:7.0f} GB/s ({gbps / copy_gbps:4.0%} of copy)", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ block
+
+
+def block_table(dims, ns, tokens):
+    from triton.testing import do_bench
+
+    arms, skipped = _arms()
+    rows = []
+    for dim in dims:
+        for n in ns:
+            base = None
+            for arm in arms:
+                torch.manual_seed(0)
+                module = wrap(arm, MLP(dim).cuda().to(DTYPE), dim, n)
+                shape = (tokens, dim) if arm == "plain" else (tokens, n, dim)
+                x = torch.randn(shape, device="cuda", dtype=DTYPE, requires_grad=True)
+                w = torch.randn(shape, device="cuda", dtype=DTYPE)
+                step = lambda: module(x).backward(w)
+                ms = do_bench(step, warmup=50, rep=200, grad_to_none=[x, *module.parameters()], return_mode="median")
+                peak = peak_extra(step)
+                base = ms if arm == "plain" else base
+                rows.append(dict(dim=dim, n=n, arm=arm, ms=ms, x_plain=ms / base, peak_extra_gib=peak / 2**30, note=""))
+                print(f"  d={dim:5d} n={n} {arm:>10} {ms:8.3f} ms {ms / base:5.2f}x  peak +{peak / 2**30:6.2f} GiB", flush=True)
+                del module, x, w
+                torch.cuda.empty_cache()
+            for arm, reason in skipped.items():
+                rows.append(dict(dim=dim, n=n, arm=arm, ms=float("nan"), x_plain=float("nan"),
+                                 peak_extra_gib=float("nan"), note=reason))
+    return rows
+
+
+# ------------------------------------------------------------------------------ model
+
+
+class GPT(nn.Module):
+    def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4):
+        super().__init__()
+        self.arm, self.n = arm, n
+        self.embed = nn.Embedding(vocab, dim).to(DTYPE)
+        branches = [b for _ in range(layers) for b in (Attention(dim, heads), MLP(dim))]
+        self.blocks = nn.ModuleList(wrap(arm, b.cuda().to(DTYPE), dim, n) for b in branches)
+        self.norm = nn.RMSNorm(dim).to(DTYPE)
+        self.head = nn.Linear(dim, vocab, bias=False).to(DTYPE)
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        if self.arm == "plain":
+            for block in self.blocks:
+                h = block(h)
+        else:
+            x = expand_streams(h, self.n)
+            for block in self.blocks:
+                x = block(x)
+            h = reduce_streams(x)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def model_table(batch, seq, compile_modes):
+    from triton.testing import do_bench
+
+    arms, skipped = _arms()
+    rows = []
+    base = {}
+    for compiled in compile_modes:
+        for arm in arms:
+            torch.manual_seed(0)
+            model = GPT(arm).cuda()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            run = torch.compile(model) if compiled else model
+            tokens = torch.randint(0, 32768, (batch, seq), device="cuda")
+            targets = torch.randint(0, 32768, (batch, seq), device="cuda")
+
+            def step():
+                run(tokens, targets).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            name = f"{arm}{' (compiled)' if compiled else ''}"
+            note = ""
+            try:
+                t0 = time.perf_counter()
+                step()
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=profile_rows), flush=True)
-        del module, x, w
-        torch.cuda.empty_cache()
-    for name, reason in skipped.items():
-        rows.append(dict(arm=name, ms=float("nan"), peak_extra_gib=float("nan"), note=reason))
-        print(f"{name:>36} skipped: {reason}")
-    if out_path:
-        write_csv(rows, out_path, ["arm", "ms", "peak_extra_gib", "note"])
+                first = time.perf_counter() - t0
+                ms = do_bench(step, warmup=100, rep=300, return_mode="median")
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 2**30
+            except Exception as e:  # a peer that cannot compile is reported, not hidden
+                ms, peak, first, note = float("nan"), float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:200]
+            key = "compiled" if compiled else "eager"
+            if arm == "plain":
+                base[key] = (ms, peak)
+            b_ms, b_peak = base.get(key, (float("nan"), float("nan")))
+            rows.append(dict(arm=name, ms=ms, tokens_per_s=batch * seq / ms * 1e3, x_plain=ms / b_ms,
+                             peak_gib=peak, peak_x_plain=peak / b_peak, first_step_s=first, note=note))
+            print(f"  {name:>22} {ms:8.2f} ms {batch * seq / ms * 1e3 / 1e3:7.0f}k tok/s {ms / b_ms:5.2f}x "
+                  f"peak {peak:6.2f} GiB ({peak / b_peak:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
+            del model, opt, run
+            torch.cuda.empty_cache()
+    for arm, reason in skipped.items():
+        rows.append(dict(arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
+                         peak_gib=float("nan"), peak_x_plain=float("nan"), first_step_s=float("nan"), note=reason))
+    return rows
+
+
+# ------------------------------------------------------------------------------ profile
+
+
+def profile_block(dim, n, tokens, rows_shown):
+    from torch.profiler import ProfilerActivity, profile
+
+    module = wrap("mhc", MLP(dim).cuda().to(DTYPE), dim, n)
+    x = torch.randn(tokens, n, dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.randn_like(x)
+    for _ in range(3):
+        module(x).backward(w)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            module(x).backward(w)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows_shown)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a large device copy, bytes read plus written."""
+    from triton.testing import do_bench
+
+    a = torch.empty(2**28, device="cuda", dtype=torch.float32)
+    ms = do_bench(lambda: a.clone(), warmup=25, rep=100, return_mode="median")
+    return 2 * a.numel() * 4 / ms / 1e6
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--dims", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
+    p.add_argument("--streams", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--out", default="results/mixing.csv")
-    p.add_argument("--profile-rows", type=int, default=15)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
+                   choices=["kernels", "block", "model", "profile"])
+    p.add_argument("--no-compile", action="store_true", help="model table: eager only")
+    p.add_argument("--out-dir", default="results/mixing")
+    p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_mixing.py needs a CUDA GPU")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, dim={args.dim}, "
-          f"n={args.streams}, tokens={args.tokens}, bf16, forward+backward", flush=True)
-    run(args.dim, args.streams, args.tokens, args.out, args.profile_rows)
+    os.makedirs(args.out_dir, exist_ok=True)
+    copy_gbps = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward+backward; "
+          f"device copy {copy_gbps:.0f} GB/s", flush=True)
+    if "kernels" in args.tables:
+        print("## kernels: d=4096, n=4, tokens", args.tokens, flush=True)
+        rows = kernel_table(4096, 4, args.tokens, copy_gbps)
+        write_csv(rows, f"{args.out_dir}/kernels.csv", ["kernel", "ms", "bytes_moved", "gbps", "of_copy"])
+    if "block" in args.tables:
+        print("## block: MLP, tokens", args.tokens, flush=True)
+        rows = block_table(args.dims, args.streams, args.tokens)
+        write_csv(rows, f"{args.out_dir}/block.csv", ["dim", "n", "arm", "ms", "x_plain", "peak_extra_gib", "note"])
+    if "model" in args.tables:
+        print(f"## model: 8-layer GPT, d=1024, {args.batch} x {args.seq} tokens, AdamW step", flush=True)
+        rows = model_table(args.batch, args.seq, [False] if args.no_compile else [False, True])
+        write_csv(rows, f"{args.out_dir}/model.csv",
+                  ["arm", "ms", "tokens_per_s", "x_plain", "peak_gib", "peak_x_plain", "first_step_s", "note"])
+    if "profile" in args.tables:
+        table = profile_block(4096, 4, args.tokens, args.profile_rows)
+        print(table, flush=True)
+        with open(f"{args.out_dir}/profile.txt", "w") as f:
+            f.write(table)
 
 
 if __name__ == "__main__":

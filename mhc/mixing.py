@@ -22,7 +22,8 @@ import torch
 from einops import einsum, rearrange, repeat
 from torch import nn
 
-from mhc.layer import check_settings, sinkhorn
+from mhc.layer import _kernels, check_settings, sinkhorn
+from mhc.mixing_ops import mhc_pre_mix, post_mix, pre_mix
 
 __all__ = [
     "HyperConnection",
@@ -38,14 +39,35 @@ __all__ = [
 CONSTRAINTS = ("sinkhorn", "none")
 INITS = ("residual", "zero")
 REDUCTIONS = ("mean", "sum")
+MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
+
+
+def _check_floating(x, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor, got {x.dtype}")
 
 
 def _check_streams(x: torch.Tensor, n: int, dim: int | None, what: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    _check_floating(x, what)
     if x.dim() < 2 or x.shape[-2] != n or (dim is not None and x.shape[-1] != dim):
         want = f"[..., {n}, {dim if dim is not None else 'dim'}]"
         raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
+
+
+def _layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
+    """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
+    ``n <= MAX_FUSED_STREAMS`` and the PyTorch reference otherwise."""
+    if backend == "auto":
+        return "triton" if x.is_cuda and n <= MAX_FUSED_STREAMS else "torch"
+    if backend == "triton":
+        if n > MAX_FUSED_STREAMS:
+            raise ValueError(
+                f"the fused mixing kernels take n <= {MAX_FUSED_STREAMS} streams, got {n}; use backend='torch'"
+            )
+        _kernels().check_device(x)
+    return backend
 
 
 def _positive_int(value, name: str) -> int:
@@ -67,6 +89,7 @@ def _rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
 def expand_streams(h: torch.Tensor, n_streams: int, embedding: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., dim] -> [..., n, dim]``: ``n`` copies of ``h``, plus ``embedding [n, dim]`` if given."""
     _positive_int(n_streams, "n_streams")
+    _check_floating(h, "h")
     x = repeat(h, "... d -> ... s d", s=n_streams)
     if embedding is not None:
         if embedding.shape != (n_streams, h.shape[-1]):
@@ -79,6 +102,7 @@ def reduce_streams(x: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
     """``[..., n, dim] -> [..., dim]`` by ``"mean"`` or ``"sum"`` over the streams."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    _check_floating(x, "x")
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., n, dim], got {tuple(x.shape)}")
     return x.mean(dim=-2) if reduce == "mean" else x.sum(dim=-2)
@@ -94,6 +118,13 @@ class StreamExpand(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return expand_streams(h, self.n_streams, self.embedding)
+
+
+def _check_branch_output(y, shape) -> None:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"the branch must return a torch.Tensor, got {type(y).__name__}")
+    if y.shape != shape:
+        raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(y.shape)}")
 
 
 # ------------------------------------------------------------------------------ hyper-connection
@@ -123,7 +154,13 @@ class HyperConnection(nn.Module):
             projections zero, ``h_res`` near identity). ``"zero"`` (mHC only): zero biases
             (``h_pre = 1/2``, ``h_post = 1``, ``h_res = J/n`` before the dynamic part) and a random
             projection, as Megatron, Liger and the DeepSeek-V4 port do.
-        backward, backend: passed to :func:`mhc.layer.sinkhorn`.
+        backward: the Sinkhorn backward, ``"exact"`` or ``"implicit"`` (:func:`mhc.layer.sinkhorn`).
+        backend: the path of the whole layer. ``"triton"``: fused kernels (coefficient projection
+            + RMS + Sinkhorn, pre-mix, post + residual merge, and their backward; CUDA, or CPU
+            with ``TRITON_INTERPRET=1``; ``n <= 16``). HC (``constraint="none"``) and static
+            coefficients use the fused mixing kernels with coefficients from PyTorch ops.
+            ``"torch"``: the pure-PyTorch reference. ``"auto"``: ``"triton"`` for CUDA tensors
+            with ``n <= 16``, else ``"torch"``.
         rms_eps: epsilon of the RMS normalisation (the paper prints 1e-20).
 
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
@@ -214,20 +251,43 @@ class HyperConnection(nn.Module):
         pre, post, res = proj[..., 0], proj[..., 1], proj[..., 2:]
         return self.a_pre * pre, self.a_post * post, self.a_res * res
 
+    def _static_coefficients(self):
+        """fp32 ``(h_pre [n], h_post [n], h_res [n, n])`` of a static layer."""
+        if self.constraint == "none":
+            return self.b_pre.float(), self.b_post.float(), self.b_res.float()
+        h_res = sinkhorn(self.b_res.float(), self.sinkhorn_iters, backward=self.backward, backend=self.backend)
+        return torch.sigmoid(self.b_pre.float()), 2.0 * torch.sigmoid(self.b_post.float()), h_res
+
     def coefficients(self, x: torch.Tensor):
         """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 for streams ``x [..., n, dim]``."""
         _check_streams(x, self.n_streams, self.dim, "x")
+        if self._fused_dynamic_mhc(x):
+            n, lead = self.n_streams, x.shape[:-2]
+            _, h_pre, h_post, h_res, _ = self._mhc_pre_mix(x.reshape(-1, n, self.dim))
+            return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
         lead = x.shape[:-2]
+        if not self.dynamic:
+            h_pre, h_post, h_res = self._static_coefficients()
+            return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
         pre = self.b_pre.float().expand(*lead, -1)
         post = self.b_post.float().expand(*lead, -1)
         res = self.b_res.float().expand(*lead, -1, -1)
-        if self.dynamic:
-            d_pre, d_post, d_res = self._dynamic_logits(x)
-            pre, post, res = pre + d_pre, post + d_post, res + d_res
+        d_pre, d_post, d_res = self._dynamic_logits(x)
+        pre, post, res = pre + d_pre, post + d_post, res + d_res
         if self.constraint == "none":
             return pre, post, res
         h_res = sinkhorn(res, self.sinkhorn_iters, backward=self.backward, backend=self.backend)
         return torch.sigmoid(pre), 2.0 * torch.sigmoid(post), h_res
+
+    def _fused_dynamic_mhc(self, x: torch.Tensor) -> bool:
+        return (
+            self.dynamic and self.constraint == "sinkhorn"
+            and _layer_backend(x, self.n_streams, self.backend) == "triton"
+        )
+
+    def _mhc_pre_mix(self, x_flat: torch.Tensor):
+        params = (self.phi, self.a_pre, self.a_post, self.a_res, self.b_pre, self.b_post, self.b_res)
+        return mhc_pre_mix(x_flat, *(p.float() for p in params), self.sinkhorn_iters, self.backward, self.rms_eps)
 
     def split(self, x: torch.Tensor):
         """Two-step form for blocks that cannot be wrapped.
@@ -235,6 +295,9 @@ class HyperConnection(nn.Module):
         ``x_in, finish = hc.split(x)``; ``x_in [..., dim]`` is the branch input; after computing
         ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the hyper-connection's output.
         """
+        _check_streams(x, self.n_streams, self.dim, "x")
+        if _layer_backend(x, self.n_streams, self.backend) == "triton":
+            return self._split_fused(x)
         h_pre, h_post, h_res = self.coefficients(x)
         if self._recorder is not None:
             self._recorder.append(h_res.detach())
@@ -242,10 +305,33 @@ class HyperConnection(nn.Module):
         x_in = einsum(h_pre.to(dtype), x, "... s, ... s d -> ... d")
 
         def finish(y: torch.Tensor) -> torch.Tensor:
-            if y.shape != x_in.shape:
-                raise ValueError(f"branch output must have shape {tuple(x_in.shape)}, got {tuple(y.shape)}")
+            _check_branch_output(y, x_in.shape)
             mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
             return mixed + einsum(h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d")
+
+        return x_in, finish
+
+    def _split_fused(self, x: torch.Tensor):
+        """``split`` on the fused kernels: tokens flattened to ``[T, n, dim]``."""
+        n, dim, lead = self.n_streams, self.dim, x.shape[:-2]
+        x_flat = x.reshape(-1, n, dim)
+        T = x_flat.shape[0]
+        if self._fused_dynamic_mhc(x):
+            x_in, _, h_post, h_res, x_pass = self._mhc_pre_mix(x_flat)
+        else:
+            if self.dynamic:  # HC: per-token coefficients from PyTorch ops
+                h_pre, h_post, h_res = (c.reshape(T, *c.shape[len(lead):]).float() for c in self.coefficients(x))
+            else:  # one set of coefficients, broadcast over tokens (token stride 0)
+                h_pre, h_post, h_res = self._static_coefficients()
+                h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
+            x_in, x_pass = pre_mix(x_flat, h_pre)
+        if self._recorder is not None:
+            self._recorder.append(h_res.detach().expand(T, n, n).reshape(*lead, n, n))
+        x_in = x_in.view(*lead, dim)
+
+        def finish(y: torch.Tensor) -> torch.Tensor:
+            _check_branch_output(y, x_in.shape)
+            return post_mix(x_pass, y.reshape(T, dim), h_post, h_res).view(*lead, n, dim)
 
         return x_in, finish
 
@@ -311,7 +397,14 @@ class LaneMixer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_streams(x, self.n_lanes, self.dim, "x")
-        p = self.matrix(x).to(x.dtype)
+        p = self.matrix(x)
+        n = self.n_lanes
+        if _layer_backend(x, n, self.backend) == "triton":
+            x_flat = x.reshape(-1, n, x.shape[-1])
+            T = x_flat.shape[0]
+            p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
+            return post_mix(x_flat, None, None, p).view(x.shape)
+        p = p.to(x.dtype)
         if self.dynamic:
             return einsum(p, x, "... t s, ... s d -> ... t d")
         return einsum(p, x, "t s, ... s d -> ... t d")

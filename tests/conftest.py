@@ -38,13 +38,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def nan_poison(monkeypatch):
     """Fill every buffer the launchers allocate with NaN, so an unwritten output fails loudly."""
-    empty_like = torch.empty_like
 
-    def poisoned(*args, **kwargs):
-        out = empty_like(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
+    def poison(allocate):
+        def poisoned(*args, **kwargs):
+            out = allocate(*args, **kwargs)
+            if out.is_floating_point():
+                out.fill_(float("nan"))
+            return out
 
-    monkeypatch.setattr(torch, "empty_like", poisoned)
+        return poisoned
+
+    monkeypatch.setattr(torch, "empty_like", poison(torch.empty_like))
+    monkeypatch.setattr(torch, "empty", poison(torch.empty))
     yield

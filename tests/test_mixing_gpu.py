@@ -38,3 +38,64 @@ def test_triton_and_torch_backends_agree_under_bf16_autocast():
         h_res = hc.coefficients(x)[2]
     assert h_res.dtype == torch.float32
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------ fused path, full sizes
+
+
+def _pair(dim, n, seed, dtype):
+    torch.manual_seed(seed)
+    branch = nn.Linear(dim, dim, bias=False).cuda()
+    fused = HyperConnection(dim, n, branch, init="zero", backend="triton").cuda()
+    with torch.no_grad():
+        for name, p in fused.named_parameters():
+            if not name.startswith("branch"):
+                p.add_(torch.randn_like(p) * 0.5)
+    ref = HyperConnection(dim, n, branch, init="zero", backend="torch").cuda()
+    ref.load_state_dict(fused.state_dict())
+    return fused, ref
+
+
+def _grads(layer, x, w):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.backward(w)
+    return {"out": out.detach(), "x": x.grad, **{k: p.grad for k, p in layer.named_parameters() if p.grad is not None}}
+
+
+def test_fused_bf16_full_size_three_way():
+    fused, ref = _pair(4096, 4, 0, torch.bfloat16)
+    x = torch.randn(2048, 4, 4096, device="cuda")
+    w = torch.randn_like(x)
+    exact = _grads(ref.double(), x.double(), w.double())
+    ref.float().branch.to(torch.bfloat16)
+    fused.branch.to(torch.bfloat16)
+    low = _grads(ref, x.bfloat16(), w.bfloat16())
+    got = _grads(fused, x.bfloat16(), w.bfloat16())
+    for k in exact:
+        if k.startswith("branch"):
+            continue
+        err = ((got[k].double() - exact[k]).norm() / exact[k].norm()).item()
+        err_ref = ((low[k].double() - exact[k]).norm() / exact[k].norm()).item()
+        assert err <= 2 * err_ref + 1e-6, (k, err, err_ref)
+
+
+@pytest.mark.parametrize("dim, n", [(1000, 2), (1536, 8), (7168, 4), (96, 16)])
+def test_fused_fp32_awkward_sizes(dim, n):
+    fused, ref = _pair(dim, n, 1, torch.float32)
+    x = torch.randn(3, 333, n, dim, device="cuda")
+    w = torch.randn_like(x)
+    got, want = _grads(fused, x, w), _grads(ref, x, w)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_fused_gradients_bit_identical_at_scale():
+    fused, _ = _pair(2048, 4, 2, torch.bfloat16)
+    fused.branch.to(torch.bfloat16)
+    x = torch.randn(16384, 4, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn_like(x)
+    first, second = _grads(fused, x, w), _grads(fused, x, w)
+    for k in first:
+        assert torch.equal(first[k], second[k]), k

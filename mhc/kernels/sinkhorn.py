@@ -80,15 +80,12 @@ def _ones(BLOCK_T: tl.constexpr, N: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def sinkhorn_fwd_kernel(
-    x_ptr, out_ptr,  # contiguous [T, N, N]
-    T,
-    ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-    FP64: tl.constexpr,
-):
-    offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
+def sinkhorn_rows(x, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``ITERS`` Sinkhorn iterations of ``BLOCK_T`` matrices held as ``N`` rows ``[BLOCK_T, NP]``.
+
+    The forward's whole computation, callable from other kernels (the mHC coefficient epilogue).
+    """
     col_ok = tl.arange(0, NP)[None, :] < N
-    x = _load_rows(x_ptr, offs, m, N, FP64)
     k, _ = _first_iteration(x, col_ok, N)
     u = _ones(BLOCK_T, N, k[0].dtype)
     v = tl.where(col_ok, 1.0, 0.0).to(k[0].dtype) + tl.zeros_like(k[0])
@@ -98,6 +95,18 @@ def sinkhorn_fwd_kernel(
     out = ()
     for i in tl.static_range(N):
         out = out + (u[i] * k[i] * v,)
+    return out
+
+
+@triton.jit
+def sinkhorn_fwd_kernel(
+    x_ptr, out_ptr,  # contiguous [T, N, N]
+    T,
+    ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
+    out = sinkhorn_rows(_load_rows(x_ptr, offs, m, N, FP64), ITERS, N, NP, BLOCK_T)
     _store_rows(out_ptr, offs, m, out, N)
 
 

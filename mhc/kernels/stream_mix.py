@@ -1,0 +1,226 @@
+"""Stream mixing kernels: ``out[t, i] = sum_j w[t, i, j] x[t, j] + b[t, i] y[t]``, and its backward.
+
+One kernel pair serves every mix of a hyper-connection:
+
+- pre-mix, ``x_in = sum_j h_pre[j] x[j]``: ``N_OUT = 1``, ``w = h_pre``, no ``y``;
+- post + residual merge, ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``: ``N_OUT = N``;
+- a lane mixer, ``out[i] = sum_j P[i, j] x[j]``: ``N_OUT = N``, no ``y``.
+
+Streams ``x`` are ``[T, N, D]`` in the activation dtype, ``y`` is ``[T, D]``, the coefficients are
+fp32 with a token stride that may be 0 (static coefficients, one set for every token). Arithmetic
+is fp32; every stream tile is read once and every output tile written once.
+
+The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (+ dx_acc)``,
+``dy = sum_i b_i dout_i`` and the per-token coefficient gradients ``dw[i, j] = <dout_i, x_j>``,
+``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics).
+``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mhc.kernels._tiles import next_pow2
+
+MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
+
+
+@triton.jit
+def _token_tile(i_t, i_d, T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    return o_t, o_d, (o_t < T)[:, None] & (o_d < D)[None, :]
+
+
+@triton.jit
+def _load_streams(x_ptr, o_t, o_d, m, D, N: tl.constexpr):
+    """The ``N`` stream tiles ``[BLOCK_T, BLOCK_D]`` of ``x [T, N, D]``, in fp32."""
+    xs = ()
+    for j in tl.static_range(N):
+        p_x = x_ptr + o_t[:, None] * (N * D) + j * D + o_d[None, :]
+        xs = xs + (tl.load(p_x, mask=m, other=0.0).to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def stream_mix_fwd_kernel(
+    # pointers: x [T, N, D], y [T, D], w [T, N_OUT, N], b [T, N_OUT], out [T, N_OUT, D]
+    x_ptr, y_ptr, w_ptr, b_ptr, out_ptr,
+    # sizes and the coefficients' token strides (0: one set for all tokens)
+    T, D, stride_w, stride_b,
+    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    o_t, o_d, m = _token_tile(tl.program_id(0), tl.program_id(1), T, D, BLOCK_T, BLOCK_D)
+    t_ok = o_t < T
+    xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+    if HAS_Y:
+        y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    for i in tl.static_range(N_OUT):
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+            acc += w_ij[:, None] * xs[j]
+        if HAS_Y:
+            b_i = tl.load(b_ptr + o_t * stride_b + i, mask=t_ok, other=0.0)
+            acc += b_i[:, None] * y
+        p_out = out_ptr + o_t[:, None] * (N_OUT * D) + i * D + o_d[None, :]
+        tl.store(p_out, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def stream_mix_bwd_kernel(
+    # pointers: the forward's inputs, dout [T, N_OUT, D], dx_acc [T, N, D] (added to dx),
+    # outputs dx [T, N, D], dy [T, D], dw [T, N_OUT, N] and db [T, N_OUT] (fp32, contiguous)
+    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr,
+    dx_ptr, dy_ptr, dw_ptr, db_ptr,
+    T, D, stride_w, stride_b,
+    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr,
+    WRITE_DX: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = o_t < T
+    # per-token coefficient gradients, reduced over D chunk by chunk
+    dw = ()
+    for k in tl.static_range(N_OUT * N):
+        dw = dw + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+    db = ()
+    for i in tl.static_range(N_OUT):
+        db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+
+    for i_d in range(tl.cdiv(D, BLOCK_D)):
+        _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
+        xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+        douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
+        if HAS_Y:
+            y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            db_new = ()
+            for i in tl.static_range(N_OUT):
+                b_i = tl.load(b_ptr + o_t * stride_b + i, mask=t_ok, other=0.0)
+                dy += b_i[:, None] * douts[i]
+                db_new = db_new + (db[i] + tl.sum(douts[i] * y, axis=1),)
+            db = db_new
+            tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
+        dw_new = ()
+        for i in tl.static_range(N_OUT):
+            for j in tl.static_range(N):
+                dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
+        dw = dw_new
+        if WRITE_DX:
+            for j in tl.static_range(N):
+                p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
+                if ACCUMULATE:
+                    dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
+                else:
+                    dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                for i in tl.static_range(N_OUT):
+                    w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+                    dx += w_ij[:, None] * douts[i]
+                tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+    for k in tl.static_range(N_OUT * N):
+        tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
+    if HAS_Y:
+        for i in tl.static_range(N_OUT):
+            tl.store(db_ptr + o_t * N_OUT + i, db[i], mask=t_ok)
+
+
+# ------------------------------------------------------------------------------ launchers
+
+
+def _fwd_config(n: int, d: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_D)``: about 1024 values per stream tile (8 per thread), half from n > 8."""
+    block_d = min(256, next_pow2(d))
+    values = 1024 if n <= 8 else 512
+    return max(1, values // block_d), block_d
+
+
+def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int]:
+    block_d = min(256, next_pow2(d))
+    values = 1024 if n + n_out <= 8 else 512
+    return max(1, values // block_d), block_d
+
+
+def _per_token(c: torch.Tensor | None, per_token: int):
+    """``(c, token stride)``: fp32 coefficients whose token stride is 0 (shared) or dense."""
+    if c is None:
+        return None, 0
+    assert c.dtype == torch.float32
+    if c.shape[0] == 1:
+        return c, 0
+    if c.stride(0) not in (0, per_token) or not c[0].is_contiguous():
+        c = c.contiguous()
+    return c, c.stride(0)
+
+
+def stream_mix_fwd(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None = None, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [T, N, D]``, ``w [T, N_OUT, N]`` fp32, ``y [T, D]``, ``b [T, N_OUT]`` fp32 -> ``[T, N_OUT, D]``.
+
+    Output in ``x``'s dtype. ``w`` and ``b`` may have token stride 0; ``x`` and ``y`` are made
+    contiguous.
+    """
+    T, n, d = x.shape
+    n_out = w.shape[1]
+    assert w.shape == (T, n_out, n) and 1 <= n <= MAX_STREAMS and (y is None) == (b is None)
+    x = x.contiguous()
+    out = torch.empty((T, n_out, d), dtype=x.dtype, device=x.device)
+    if T == 0 or d == 0:
+        return out
+    has_y = y is not None
+    if has_y:
+        assert y.shape == (T, d) and b.shape == (T, n_out)
+        y = y.contiguous()
+    w, stride_w = _per_token(w, n_out * n)
+    b, stride_b = _per_token(b, n_out)
+    block_t, block_d = _fwd_config(n, d)
+    stream_mix_fwd_kernel[(triton.cdiv(T, block_t), triton.cdiv(d, block_d))](
+        x, y if has_y else x, w, b if has_y else w, out,
+        T, d, stride_w, stride_b,
+        N=n, N_OUT=n_out, HAS_Y=has_y, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def stream_mix_bwd(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
+    grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None = None, need_grad_x: bool = True,
+):
+    """Backward of :func:`stream_mix_fwd`: ``(dx, dy, dw, db)``.
+
+    ``dx [T, N, D]`` in ``x``'s dtype (``+ grad_x_acc`` when given; ``None`` unless
+    ``need_grad_x``), ``dy [T, D]`` in ``y``'s dtype, ``dw [T, N_OUT, N]`` and ``db [T, N_OUT]``
+    per token in fp32 (``None`` without ``y``).
+    """
+    T, n, d = x.shape
+    n_out = w.shape[1]
+    assert grad_out.shape == (T, n_out, d) and 1 <= n <= MAX_STREAMS
+    x = x.contiguous()
+    grad_out = grad_out.contiguous()
+    has_y = y is not None
+    accumulate = grad_x_acc is not None
+    if has_y:
+        y = y.contiguous()
+    if accumulate:
+        grad_x_acc = grad_x_acc.contiguous()
+    dx = torch.empty_like(x) if need_grad_x else None
+    dy = torch.empty_like(y) if has_y else None
+    dw = torch.empty((T, n_out, n), dtype=torch.float32, device=x.device)
+    db = torch.empty((T, n_out), dtype=torch.float32, device=x.device) if has_y else None
+    if T == 0:
+        return dx, dy, dw, db
+    w, stride_w = _per_token(w, n_out * n)
+    b, stride_b = _per_token(b, n_out)
+    block_t, block_d = _bwd_config(n, n_out, d)
+    stream_mix_bwd_kernel[(triton.cdiv(T, block_t),)](
+        x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x,
+        dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw,
+        T, d, stride_w, stride_b,
+        N=n, N_OUT=n_out, HAS_Y=has_y, WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+    )
+    return dx, dy, dw, db

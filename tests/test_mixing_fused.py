@@ -1,0 +1,194 @@
+"""The fused hyper-connection path (``backend="triton"``) against the PyTorch reference path.
+
+On CPU the kernels run in Triton's interpreter on small shapes; tests/test_mixing_gpu.py runs the
+full sizes on a GPU.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.conftest import KERNEL_DEVICE
+from mhc import kernels
+from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, collect_h_res, expand_streams
+
+DEVICE = KERNEL_DEVICE
+
+
+class Branch(nn.Module):
+    """A branch with a non-trivial Jacobian (tanh of a linear map)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+def layer_pair(dim, n, constraint="sinkhorn", dynamic=True, seed=0, scale=0.5, **kwargs):
+    """A fused layer and a reference layer with the same (randomised) parameters and branch."""
+    torch.manual_seed(seed)
+    branch = Branch(dim).to(DEVICE)
+    init = "zero" if constraint == "sinkhorn" else "residual"
+    fused = HyperConnection(dim, n, branch, constraint=constraint, dynamic=dynamic, init=init,
+                            backend="triton", **kwargs).to(DEVICE)
+    with torch.no_grad():
+        for name, p in fused.named_parameters():
+            if not name.startswith("branch"):
+                p.add_(torch.randn_like(p) * scale)
+    ref = HyperConnection(dim, n, branch, constraint=constraint, dynamic=dynamic, init=init,
+                          backend="torch", **kwargs).to(DEVICE)
+    ref.load_state_dict(fused.state_dict())
+    return fused, ref
+
+
+def run(layer, x, grad):
+    """Output and the gradients of the input and of every parameter, for upstream ``grad``."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.backward(grad)
+    return {"out": out.detach(), "x": x.grad, **{k: p.grad for k, p in layer.named_parameters()}}
+
+
+def assert_all_close(got, want, rtol, atol):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] is not None, k
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@given(
+    n=st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    constraint=st.sampled_from(["sinkhorn", "none"]), dynamic=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_fused_matches_reference(n, dim, lead, constraint, dynamic, seed, nan_poison):
+    fused, ref = layer_pair(dim, n, constraint, dynamic, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n, dim, generator=g).to(DEVICE)
+    grad = torch.randn(*lead, n, dim, generator=g).to(DEVICE)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backward", ["exact", "implicit"])
+def test_sixteen_streams_and_implicit_backward(backward):
+    fused, ref = layer_pair(5, MAX_FUSED_STREAMS, seed=1, scale=0.2, backward=backward)
+    x, grad = torch.randn(2, 3, 16, 5, device=DEVICE), torch.randn(2, 3, 16, 5, device=DEVICE)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=5e-5, atol=5e-5)
+
+
+def test_more_streams_than_the_kernels_take():
+    with pytest.raises(ValueError, match="n <= 16"):
+        HyperConnection(4, MAX_FUSED_STREAMS + 1, Branch(4), backend="triton")(torch.zeros(2, 17, 4))
+    assert kernels.MAX_STREAMS == MAX_FUSED_STREAMS
+
+
+def test_empty_batch():
+    fused, ref = layer_pair(6, 4, seed=2)
+    x, grad = torch.randn(0, 4, 6, device=DEVICE), torch.randn(0, 4, 6, device=DEVICE)
+    got = run(fused, x, grad)
+    assert got["out"].shape == (0, 4, 6)
+    assert_all_close(got, run(ref, x, grad), rtol=0, atol=0)
+
+
+def test_gradients_are_bit_identical_across_runs():
+    fused, _ = layer_pair(24, 4, seed=3)
+    x, grad = torch.randn(70, 4, 24, device=DEVICE), torch.randn(70, 4, 24, device=DEVICE)
+    first, second = run(fused, x, grad), run(fused, x, grad)
+    for k in first:
+        assert torch.equal(first[k], second[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_three_way(dtype):
+    """Error against fp64 at most twice the reference path's own error in ``dtype``."""
+    fused, ref = layer_pair(40, 4, seed=4)
+    x = torch.randn(3, 30, 4, 40, device=DEVICE)
+    grad = torch.randn_like(x)
+    exact = run(ref.double(), x.double(), grad.double())
+    ref.float().branch.to(dtype)
+    fused.branch.to(dtype)
+    low_ref = run(ref, x.to(dtype), grad.to(dtype))
+    got = run(fused, x.to(dtype), grad.to(dtype))
+    for k in exact:
+        if k.startswith("branch"):
+            continue
+        err = (got[k].double() - exact[k]).norm() / exact[k].norm()
+        err_ref = (low_ref[k].double() - exact[k]).norm() / exact[k].norm()
+        assert err <= 2 * err_ref + 1e-6, (k, err.item(), err_ref.item())
+        assert got[k].dtype == (dtype if k == "out" or k == "x" else torch.float32), k
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    fused, _ = layer_pair(12, 3, seed=5)
+    x, grad = torch.randn(4, 3, 12, device=DEVICE), torch.randn(4, 3, 12, device=DEVICE)
+    want = run(fused, x, grad)
+    compiled = torch.compile(fused, fullgraph=True)
+    got = {k.replace("_orig_mod.", ""): v for k, v in run(compiled, x, grad).items()}
+    assert_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    fused, _ = layer_pair(10, 4, seed=6)
+    x, grad = torch.randn(2, 5, 4, 10, device=DEVICE), torch.randn(2, 5, 4, 10, device=DEVICE)
+    want = run(fused, x, grad)
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    got = {k.replace("inner.", ""): v for k, v in run(Checkpointed(fused), x, grad).items()}
+    assert_all_close(got, want, rtol=0, atol=0)
+
+
+def test_split_form_coefficients_and_recorder_on_the_fused_path():
+    fused, ref = layer_pair(9, 4, seed=7)
+    x = torch.randn(2, 3, 4, 9, device=DEVICE)
+    for a, b in zip(fused.coefficients(x), ref.coefficients(x)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    x_in, finish = fused.split(x)
+    torch.testing.assert_close(finish(fused.branch(x_in)), ref(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="branch output"):
+        finish(torch.zeros(2, 3, 8, device=DEVICE))
+    with collect_h_res(fused) as h_res:
+        fused(x)
+    torch.testing.assert_close(h_res[0], ref.coefficients(x)[2], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_parameters_are_accepted():
+    fused, ref = layer_pair(8, 4, seed=8)
+    fused.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    x = torch.randn(6, 4, 8, device=DEVICE, dtype=torch.bfloat16)
+    got, want = run(fused, x, torch.randn_like(x)), run(ref, x, torch.randn_like(x))
+    assert got["phi"].dtype == torch.bfloat16 and got["out"].shape == want["out"].shape
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_lane_mixer_fused_matches_reference(dynamic):
+    torch.manual_seed(9)
+    fused = LaneMixer(6, dim=10 if dynamic else None, dynamic=dynamic, backend="triton").to(DEVICE)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ref = LaneMixer(6, dim=10 if dynamic else None, dynamic=dynamic, backend="torch").to(DEVICE)
+    ref.load_state_dict(fused.state_dict())
+    x, grad = torch.randn(3, 2, 6, 10, device=DEVICE), torch.randn(3, 2, 6, 10, device=DEVICE)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("make", [lambda: HyperConnection(4, 2, Branch(4)), lambda: LaneMixer(2)])
+def test_integer_streams_are_a_type_error(make):
+    with pytest.raises(TypeError, match="floating-point.*int64"):
+        make()(torch.zeros(3, 2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="floating-point"):
+        expand_streams(torch.zeros(3, 4, dtype=torch.long), 2)
