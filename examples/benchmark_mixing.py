@@ -122,23 +122,21 @@ def kernel_table(dim, n, tokens, copy_gbps):
     phi = torch.randn(K, M, device="cuda") / math.sqrt(K)
     gates = [torch.tensor(0.5, device="cuda") for _ in range(3)]
     biases = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, n, device="cuda")]
-    p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
     g_out = torch.randn_like(x)
     g_in = torch.randn_like(y)
     dh_res = torch.randn_like(h_res)
     X, Y = x.numel() * 2, y.numel() * 2
     calls = {
-        "coefficients fwd (read x)": (lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20), X),
-        "pre-mix fwd (read x, write x_in)": (lambda: kernels.stream_mix_fwd(x, h_pre[:, None, :]), X + Y),
+        "coefficients + pre-mix fwd (read x twice, write x_in)": (
+            lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20), 2 * X + Y),
         "post + residual fwd (read x, y; write out)": (lambda: kernels.stream_mix_fwd(x, h_res, y, h_post), 2 * X + Y),
         "post + residual bwd (read dout, x, y; write dx, dy)": (
             lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, g_out), 3 * X + 2 * Y),
         "sinkhorn bwd": (lambda: kernels.sinkhorn_bwd(z_res, dh_res, 20), 3 * z_res.numel() * 4),
-        "pre-mix dh_pre (read x, dx_in)": (
-            lambda: kernels.stream_mix_bwd(x, h_pre[:, None, :], None, None, g_in[:, None, :], None, False), X + Y),
-        "projection bwd (read x, dx_acc, dx_in; write dx)": (
-            lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, h_pre, h_post, dh_res, g_in, g_out),
-            3 * X + Y),
+        "coefficients + pre-mix bwd (read x twice, dx_acc, dx_in twice; write dx)": (
+            lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
+            4 * X + 2 * Y),
     }
     rows = []
     for name, (call, nbytes) in calls.items():

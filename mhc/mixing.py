@@ -287,7 +287,8 @@ class HyperConnection(nn.Module):
 
     def _mhc_pre_mix(self, x_flat: torch.Tensor):
         params = (self.phi, self.a_pre, self.a_post, self.a_res, self.b_pre, self.b_post, self.b_res)
-        return mhc_pre_mix(x_flat, *(p.float() for p in params), self.sinkhorn_iters, self.backward, self.rms_eps)
+        params = (p if p.dtype == torch.float32 else p.float() for p in params)
+        return mhc_pre_mix(x_flat, *params, self.sinkhorn_iters, self.backward, self.rms_eps)
 
     def split(self, x: torch.Tensor):
         """Two-step form for blocks that cannot be wrapped.
@@ -316,7 +317,7 @@ class HyperConnection(nn.Module):
         n, dim, lead = self.n_streams, self.dim, x.shape[:-2]
         x_flat = x.reshape(-1, n, dim)
         T = x_flat.shape[0]
-        if self._fused_dynamic_mhc(x):
+        if self.dynamic and self.constraint == "sinkhorn":
             x_in, _, h_post, h_res, x_pass = self._mhc_pre_mix(x_flat)
         else:
             if self.dynamic:  # HC: per-token coefficients from PyTorch ops

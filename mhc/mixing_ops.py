@@ -66,16 +66,16 @@ def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
 def _coefficients_fwd_op(
     x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
     b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _kernels().coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps)
 
 
 @_coefficients_fwd_op.register_fake
 def _(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps):
-    T, n, _ = x.shape
+    T, n, d = x.shape
     f32 = dict(dtype=torch.float32)
     return (
-        x.new_empty((T, phi.shape[1]), **f32), x.new_empty((T,), **f32),
+        x.new_empty((T, d)), x.new_empty((T, phi.shape[1]), **f32), x.new_empty((T,), **f32),
         x.new_empty((T, n), **f32), x.new_empty((T, n), **f32),
         x.new_empty((T, n, n), **f32), x.new_empty((T, n, n), **f32),
     )
@@ -85,9 +85,9 @@ def _(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps):
 def _coefficients_bwd_op(
     x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
     p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor,
-    dh_pre: torch.Tensor, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
+    dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
     grad_x_acc: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _kernels().coefficients_bwd(
         x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc
     )
@@ -95,9 +95,8 @@ def _coefficients_bwd_op(
 
 @_coefficients_bwd_op.register_fake
 def _(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc):
-    T = x.shape[0]
     f32 = dict(dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((T, p.shape[1]), **f32), x.new_empty((T, 3), **f32)
+    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32)
 
 
 def _launchers():
@@ -173,15 +172,12 @@ class MHCPreMixFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, backward, eps):
-        T, n, d = x.shape
-        run = _launchers()
-        p, r, h_pre, h_post, z_res, h_res = run["coefficients_fwd"](
+        x_in, p, r, h_pre, h_post, z_res, h_res = _launchers()["coefficients_fwd"](
             x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps
         )
-        x_in = run["stream_mix_fwd"](x, h_pre[:, None, :], None, None)
         ctx.save_for_backward(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, z_res if backward == "exact" else h_res)
         ctx.iters, ctx.backward_mode = iters, backward
-        return x_in.view(T, d), h_pre, h_post, h_res, x
+        return x_in, h_pre, h_post, h_res, x
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
@@ -198,16 +194,10 @@ class MHCPreMixFunction(torch.autograd.Function):
             dz_res = run["sinkhorn_bwd"](sinkhorn_saved, grad_h_res.contiguous(), ctx.iters)
         else:
             dz_res = run["sinkhorn_implicit_bwd"](sinkhorn_saved, grad_h_res.contiguous())
-        # dh_pre[j] = <x_j, grad_x_in>: the pre-mix's coefficient gradient, without dx
-        _, _, dh_pre, _ = run["stream_mix_bwd"](x, h_pre[:, None, :], None, None, grad_x_in[:, None, :], None, False)
-        dh_pre = dh_pre.view(T, n)
-        if grad_h_pre is not None:
-            dh_pre = dh_pre + grad_h_pre
-        dx, dphi, dz, s = run["coefficients_bwd"](
-            x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, grad_h_post, dz_res, grad_x_in, grad_x_pass
+        dx, dphi, dbias_gate = run["coefficients_bwd"](
+            x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in, grad_x_pass
         )
-        db = dz.sum(0)
-        da = s.sum(0)
+        db, da = dbias_gate[: 2 * n + n * n], dbias_gate[2 * n + n * n :]
         return (
             dx, dphi, da[0].reshape(a_pre.shape), da[1].reshape(a_post.shape), da[2].reshape(a_res.shape),
             db[:n], db[n : 2 * n], db[2 * n :].view(n, n), None, None, None,

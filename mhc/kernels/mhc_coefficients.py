@@ -8,18 +8,27 @@ Per token ``t`` with flattened streams ``v = x[t] [K = N * D]`` and ``phi [K, M]
     z     = a_group * p + b                             # gate per column group, bias per column
     h_pre = sigmoid(z_pre);  h_post = 2 sigmoid(z_post);  h_res = sinkhorn(z_res as [N, N])
 
-The forward reads ``x`` once in its own dtype; the projection runs on the tensor cores with
-fp32 accuracy (``_dot_fp32``). Its epilogue calls the Sinkhorn core (``sinkhorn_rows``) on the
-program's own tokens. The backward is split in two passes because the input gradient of the
-projection needs every coefficient's gradient first:
+The forward reads ``x`` in its own dtype; the projection runs on the tensor cores with fp32
+accuracy (``_dot_fp32``). Its epilogue calls the Sinkhorn core (``sinkhorn_rows``) on the
+program's own tokens, then runs the pre-mix ``x_in = sum_j h_pre[j] x[j]`` as a second pass over
+the same tokens: ``h_pre`` needs the whole token's projection first, and a block of tokens
+(``BLOCK_T * N * D`` values) does not fit on chip at model sizes, so ``x`` is read twice; the
+second pass walks the chunks backwards, so the most recently read come from L2.
 
-1. ``coefficient_grad_kernel`` (per token, tiny): ``dz`` for every column (``dh_res`` already
-   through the Sinkhorn backward), the per-token sums ``s_g = sum_{m in g} dz_m p_m`` for the
-   gates, and ``c = r^2 / K * sum_g a_g s_g``, the RMS term.
-2. ``projection_bwd_kernel`` over ``(K chunk, token split)``: ``g = a * dz * r``,
-   ``dv = g @ phi^T - c v`` added to the other gradients of ``x`` (one read and one write of the
-   streams), and ``dphi = v^T g`` accumulated in registers over the split's tokens, written as one
-   partial per split (summed in a fixed order afterwards: deterministic, no atomics).
+The backward is split in two passes because the input gradient of the projection needs every
+coefficient's gradient first:
+
+1. ``coefficient_grad_kernel``: ``dh_pre[j] = <x_j, dx_in>`` (reduced over ``D``), then per token
+   ``dz`` for every column (``dh_res`` already through the Sinkhorn backward), the projection's
+   gradient ``g = a * dz * r``, the RMS term ``c = r^2 / K * sum_g a_g s_g`` with
+   ``s_g = sum_{m in g} dz_m p_m``, and the program's partial sums of ``dz`` and ``s_g`` (the
+   biases' and gates' gradients).
+2. ``projection_bwd_kernel`` over ``(stream, channel chunk, token split)``:
+   ``dx = g @ phi^T - c x + h_pre (x) dx_in (+ the post-mix's dx)``, one read and one write of
+   the streams, and ``dphi = x^T g`` accumulated in registers over the split's tokens, written as
+   one partial per split.
+
+Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
 ``docs/mixing.md`` derives the gradients.
 """
@@ -56,15 +65,17 @@ def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
 
 @triton.jit
 def coefficients_fwd_kernel(
-    # pointers: streams x [T, K], phi [K, M] fp32, gates (3 scalars), biases
+    # pointers: streams x [T, N, D], phi [N * D, M] fp32, gates (3 scalars), biases
     x_ptr, phi_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
-    # outputs (fp32): p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res [T, N, N], h_res [T, N, N]
-    p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
-    T, K, eps,
+    # outputs: x_in [T, D] (x's dtype); fp32 p [T, M], r [T], h_pre [T, N], h_post [T, N],
+    # z_res [T, N, N] (Sinkhorn logits), h_res [T, N, N]
+    x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
+    T, D, eps,
     N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
     SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
+    K = N * D
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
@@ -105,6 +116,21 @@ def coefficients_fwd_kernel(
     z_res = a_res * p_res + tl.load(b_res_ptr + o_res, mask=m_res, other=0.0)[None, :]
     tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
 
+    # pre-mix, x_in = sum_j h_pre[j] x[j]: a second pass over this program's tokens, last chunks
+    # first (the most recently read, the likeliest still in L2)
+    h_pre = ()
+    for j in tl.static_range(N):
+        h_pre = h_pre + (tl.sum(tl.where(o_pp[None, :] == j, h_pp, 0.0), axis=1),)
+    n_d = tl.cdiv(D, BLOCK_K)
+    for i_rev in range(n_d):
+        o_d = (n_d - 1 - i_rev) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = m_t & (o_d < D)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for j in tl.static_range(N):
+            b_x = tl.load(x_ptr + o_t[:, None] * K + j * D + o_d[None, :], mask=m, other=0.0)
+            acc += h_pre[j][:, None] * b_x.to(tl.float32)
+        tl.store(x_in_ptr + o_t[:, None] * D + o_d[None, :], acc.to(x_in_ptr.dtype.element_ty), mask=m)
+
     # Sinkhorn of this program's matrices, read back as rows (the layout of the Sinkhorn core)
     tl.debug_barrier()
     offs, m = _row_tile(i_t, T, N, BLOCK_T, NP)
@@ -114,111 +140,135 @@ def coefficients_fwd_kernel(
 
 @triton.jit
 def coefficient_grad_kernel(
-    # inputs (fp32): dh_pre, h_pre, dh_post, h_post [T, N]; dz_res [T, N*N]; p [T, M]; r [T]; gates
-    dh_pre_ptr, h_pre_ptr, dh_post_ptr, h_post_ptr, dz_res_ptr, p_ptr, r_ptr,
+    # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
+    # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
+    x_ptr, dx_in_ptr, dh_pre_ptr, h_pre_ptr, dh_post_ptr, h_post_ptr, dz_res_ptr, p_ptr, r_ptr,
     a_pre_ptr, a_post_ptr, a_res_ptr,
-    # outputs (fp32): dz [T, M], s [T, 3] (per-group sum of dz * p), c [T] (RMS term)
-    dz_ptr, s_ptr, c_ptr,
-    T, K,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, BLOCK_T: tl.constexpr,
+    # outputs (fp32): g [T, M] (projection gradient), c [T] (RMS term), partial [programs, M + 3]
+    # (this program's sums of dz and of the gate terms s)
+    g_ptr, c_ptr, partial_ptr,
+    T, D,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, HAS_DH_PRE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
-    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = (o_t < T)[:, None]
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = o_t < T
+    m_t = t_ok[:, None]
     o_pp, m_pre, m_post = _column_groups(N, NPP)
     o_res = tl.arange(0, NRES)
     m_res = m_t & (o_res < N * N)[None, :]
+
+    # dh_pre[j] = <x_j, dx_in>, reduced over D
+    dots = ()
+    for j in tl.static_range(N):
+        dots = dots + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+    for i_d in range(tl.cdiv(D, BLOCK_D)):
+        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = m_t & (o_d < D)[None, :]
+        b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        dots_new = ()
+        for j in tl.static_range(N):
+            b_x = tl.load(x_ptr + o_t[:, None] * (N * D) + j * D + o_d[None, :], mask=m, other=0.0)
+            dots_new = dots_new + (dots[j] + tl.sum(b_x.to(tl.float32) * b_dx_in, axis=1),)
+        dots = dots_new
+    dh_pre = tl.zeros([BLOCK_T, NPP], dtype=tl.float32)
+    for j in tl.static_range(N):
+        dh_pre = tl.where(o_pp[None, :] == j, dots[j][:, None], dh_pre)
+
     p_pre = o_t[:, None] * N + o_pp[None, :]
     p_post = o_t[:, None] * N + (o_pp - N)[None, :]
     mp_pre = m_t & m_pre[None, :]
     mp_post = m_t & m_post[None, :]
-
+    if HAS_DH_PRE:
+        dh_pre += tl.load(dh_pre_ptr + p_pre, mask=mp_pre, other=0.0)
     h_pre = tl.load(h_pre_ptr + p_pre, mask=mp_pre, other=0.0)
     h_post = tl.load(h_post_ptr + p_post, mask=mp_post, other=0.0)
-    dz_pp = tl.load(dh_pre_ptr + p_pre, mask=mp_pre, other=0.0) * h_pre * (1.0 - h_pre)
+    # d sigmoid = h (1 - h); d (2 sigmoid) = h_post (1 - h_post / 2)
+    dz_pp = dh_pre * h_pre * (1.0 - h_pre)
     dz_pp += tl.load(dh_post_ptr + p_post, mask=mp_post, other=0.0) * h_post * (1.0 - 0.5 * h_post)
     dz_res = tl.load(dz_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], mask=m_res, other=0.0)
-    m_pp = m_t & (o_pp < 2 * N)[None, :]
-    tl.store(dz_ptr + o_t[:, None] * M + o_pp[None, :], dz_pp, mask=m_pp)
-    tl.store(dz_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], dz_res, mask=m_res)
 
+    m_pp = m_t & (o_pp < 2 * N)[None, :]
     dz_p_pp = dz_pp * tl.load(p_ptr + o_t[:, None] * M + o_pp[None, :], mask=m_pp, other=0.0)
     s_pre = tl.sum(tl.where(m_pre[None, :], dz_p_pp, 0.0), axis=1)
     s_post = tl.sum(tl.where(m_post[None, :], dz_p_pp, 0.0), axis=1)
     p_res = tl.load(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=m_res, other=0.0)
     s_res = tl.sum(dz_res * p_res, axis=1)
-    t_ok = o_t < T
-    tl.store(s_ptr + o_t * 3, s_pre, mask=t_ok)
-    tl.store(s_ptr + o_t * 3 + 1, s_post, mask=t_ok)
-    tl.store(s_ptr + o_t * 3 + 2, s_res, mask=t_ok)
+
+    a_pre = tl.load(a_pre_ptr)
+    a_post = tl.load(a_post_ptr)
+    a_res = tl.load(a_res_ptr)
     r = tl.load(r_ptr + o_t, mask=t_ok, other=0.0)
-    a_s = tl.load(a_pre_ptr) * s_pre + tl.load(a_post_ptr) * s_post + tl.load(a_res_ptr) * s_res
-    tl.store(c_ptr + o_t, r * r / K * a_s, mask=t_ok)
+    g_pp = dz_pp * tl.where(m_pre, a_pre, a_post)[None, :] * r[:, None]
+    tl.store(g_ptr + o_t[:, None] * M + o_pp[None, :], g_pp, mask=m_pp)
+    tl.store(g_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], dz_res * (a_res * r)[:, None], mask=m_res)
+    tl.store(c_ptr + o_t, r * r / (N * D) * (a_pre * s_pre + a_post * s_post + a_res * s_res), mask=t_ok)
+
+    p_part = partial_ptr + i_t.to(tl.int64) * (M + 3)
+    tl.store(p_part + o_pp, tl.sum(dz_pp, axis=0), mask=o_pp < 2 * N)
+    tl.store(p_part + 2 * N + o_res, tl.sum(dz_res, axis=0), mask=o_res < N * N)
+    tl.store(p_part + M, tl.sum(s_pre, axis=0))
+    tl.store(p_part + M + 1, tl.sum(s_post, axis=0))
+    tl.store(p_part + M + 2, tl.sum(s_res, axis=0))
 
 
 @triton.jit
 def projection_bwd_kernel(
-    # inputs: x [T, K = N * D], phi [K, M], dz [T, M], r [T], c [T], gates; the pre-mix's
-    # h_pre [T, N] and dx_in [T, D]; dx_acc [T, K] (added to dx)
-    x_ptr, phi_ptr, dz_ptr, r_ptr, c_ptr, a_pre_ptr, a_post_ptr, a_res_ptr,
-    h_pre_ptr, dx_in_ptr, dx_acc_ptr,
-    # outputs: dx [T, K] (x's dtype), dphi_partial [SPLITS, K, M] fp32
+    # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
+    # dx_in [T, D]; dx_acc [T, N, D] (added to dx)
+    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr,
+    # outputs: dx [T, N, D] (x's dtype), dphi_partial [SPLITS, N * D, M] fp32
     dx_ptr, dphi_ptr,
     T, D, SPLITS,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
-    K = N * D
-    i_k = tl.program_id(0)
+    # program: stream j, channels o_c (rows j * D + o_c of phi), every SPLITS-th token block
+    n_c = tl.cdiv(D, BLOCK_D)
+    j = tl.program_id(0) // n_c
     i_s = tl.program_id(1)
-    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = o_k < K
-    o_j = o_k // D  # stream and channel of each flattened column
-    o_c = o_k % D
-    o_pp, m_pre, m_post = _column_groups(N, NPP)
+    o_c = (tl.program_id(0) % n_c) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_ok = o_c < D
+    o_k = j * D + o_c
+    o_pp = tl.arange(0, NPP)
     o_res = tl.arange(0, NRES)
     m_pp = (o_pp < 2 * N)[None, :]
     m_res = (o_res < N * N)[None, :]
-    # phi's rows of this chunk, kept for every token block
     p_phi = phi_ptr + o_k[:, None] * M
-    b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=k_ok[:, None] & m_pp, other=0.0)
-    b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=k_ok[:, None] & m_res, other=0.0)
-    gate_pp = tl.where(m_pre, tl.load(a_pre_ptr), tl.load(a_post_ptr))
-    a_res = tl.load(a_res_ptr)
+    b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=c_ok[:, None] & m_pp, other=0.0)
+    b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=c_ok[:, None] & m_res, other=0.0)
 
-    dphi_pp = tl.zeros([BLOCK_K, NPP], dtype=tl.float32)
-    dphi_res = tl.zeros([BLOCK_K, NRES], dtype=tl.float32)
+    dphi_pp = tl.zeros([BLOCK_D, NPP], dtype=tl.float32)
+    dphi_res = tl.zeros([BLOCK_D, NRES], dtype=tl.float32)
     for i_t in range(i_s, tl.cdiv(T, BLOCK_T), SPLITS):
         o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         t_ok = o_t < T
-        m_tk = t_ok[:, None] & k_ok[None, :]
-        r = tl.load(r_ptr + o_t, mask=t_ok, other=0.0)
+        m = t_ok[:, None] & c_ok[None, :]
+        b_g_pp = tl.load(g_ptr + o_t[:, None] * M + o_pp[None, :], mask=t_ok[:, None] & m_pp, other=0.0)
+        b_g_res = tl.load(g_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=t_ok[:, None] & m_res, other=0.0)
         c = tl.load(c_ptr + o_t, mask=t_ok, other=0.0)
-        dz_pp = tl.load(dz_ptr + o_t[:, None] * M + o_pp[None, :], mask=t_ok[:, None] & m_pp, other=0.0)
-        dz_res = tl.load(dz_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=t_ok[:, None] & m_res, other=0.0)
-        g_pp = dz_pp * gate_pp[None, :] * r[:, None]
-        g_res = dz_res * (a_res * r)[:, None]
+        h_pre = tl.load(h_pre_ptr + o_t * N + j, mask=t_ok, other=0.0)
+        p_x = o_t[:, None] * (N * D) + o_k[None, :]
+        b_x = tl.load(x_ptr + p_x, mask=m, other=0.0)
+        b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
 
-        p_x = o_t[:, None] * K + o_k[None, :]
-        b_x = tl.load(x_ptr + p_x, mask=m_tk, other=0.0)
-        dv = tl.dot(g_pp, tl.trans(b_phi_pp), input_precision="tf32x3")
-        dv += tl.dot(g_res, tl.trans(b_phi_res), input_precision="tf32x3")
-        dv -= c[:, None] * b_x.to(tl.float32)
-        # the pre-mix's gradient, h_pre[j] * dx_in
-        h_pre = tl.load(h_pre_ptr + o_t[:, None] * N + o_j[None, :], mask=m_tk, other=0.0)
-        dv += h_pre * tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        dx = tl.dot(b_g_pp, tl.trans(b_phi_pp), input_precision="tf32x3")
+        dx += tl.dot(b_g_res, tl.trans(b_phi_res), input_precision="tf32x3")
+        dx += h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
         if ACCUMULATE:
-            dv += tl.load(dx_acc_ptr + p_x, mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + p_x, dv.to(dx_ptr.dtype.element_ty), mask=m_tk)
+            dx += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + p_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
         b_xt = tl.trans(b_x)
-        dphi_pp += _dot_fp32(b_xt, g_pp, SPLIT_BF16)
-        dphi_res += _dot_fp32(b_xt, g_res, SPLIT_BF16)
+        dphi_pp += _dot_fp32(b_xt, b_g_pp, SPLIT_BF16)
+        dphi_res += _dot_fp32(b_xt, b_g_res, SPLIT_BF16)
 
-    p_out = dphi_ptr + i_s.to(tl.int64) * K * M + o_k[:, None] * M
-    tl.store(p_out + o_pp[None, :], dphi_pp, mask=k_ok[:, None] & m_pp)
-    tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=k_ok[:, None] & m_res)
+    p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + o_k[:, None] * M
+    tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
+    tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -235,76 +285,95 @@ def _split_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
-def _fwd_block_t(n: int) -> int:
-    return 64 if n <= 4 else (32 if n <= 8 else 16)
+def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection."""
+    cols = _columns(n)
+    block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
+    return (64 if n <= 4 else (32 if n <= 8 else 16)), block_k, 4, 3
+
+
+def projection_bwd_config(n: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves)``: ``waves`` programs per SM at least,
+    token splits chosen to reach them."""
+    if n <= 8:
+        return 64, 64, 4, 3, 4
+    return 16, 32, 4, 2, 4
 
 
 def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float):
-    """``x [T, N, D]`` -> ``(p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``.
+    """Coefficients and pre-mix of streams ``x [T, N, D]``.
 
-    All outputs fp32. ``phi [N*D, M]``, gates 0-d or ``[1]``, biases ``[N]``, ``[N]``, ``[N, N]``,
-    all fp32.
+    Returns ``(x_in [T, D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
+    ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
+    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, gates (one value each) and biases
+    ``[N]``, ``[N]``, ``[N, N]`` are fp32.
     """
     T, n, d = x.shape
     K, M = n * d, 2 * n + n * n
     assert phi.shape == (K, M) and 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
     f32 = dict(dtype=torch.float32, device=x.device)
+    x_in = torch.empty((T, d), dtype=x.dtype, device=x.device)
     p, r = torch.empty((T, M), **f32), torch.empty((T,), **f32)
     h_pre, h_post = torch.empty((T, n), **f32), torch.empty((T, n), **f32)
     z_res, h_res = torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32)
     if T == 0:
-        return p, r, h_pre, h_post, z_res, h_res
+        return x_in, p, r, h_pre, h_post, z_res, h_res
     cols = _columns(n)
-    block_t = _fwd_block_t(n)
-    block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
+    block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
     coefficients_fwd_kernel[(triton.cdiv(T, block_t),)](
         x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
-        p, r, h_pre, h_post, z_res, h_res,
-        T, K, eps,
+        x_in, p, r, h_pre, h_post, z_res, h_res,
+        T, d, eps,
         NP=next_pow2(n), ITERS=iters, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t, BLOCK_K=block_k,
-        num_warps=4, **cols,
+        num_warps=num_warps, num_stages=num_stages, **cols,
     )
-    return p, r, h_pre, h_post, z_res, h_res
+    return x_in, p, r, h_pre, h_post, z_res, h_res
 
 
 def coefficients_bwd(
     x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None
 ):
-    """Backward of the coefficients and the pre-mix: ``(dx [T, N, D], dphi [K, M], dz [T, M], s [T, 3])``.
+    """Backward of the coefficients and the pre-mix: ``(dx [T, N, D], dphi [K, M], dbias_gate [M + 3])``.
 
-    ``dh_pre``, ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits)
-    are the coefficients' gradients, ``grad_x_in [T, D]`` the pre-mix output's; ``dz`` and ``s``
-    give the biases' and gates' gradients (``db = dz.sum(0)``, ``da = s.sum(0)``).
-    ``dx = h_pre (x) grad_x_in + d(projection)/dx + grad_x_acc`` (when given), in one pass.
+    ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
+    coefficients' gradients, ``grad_x_in [T, D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
+    ``None``) another gradient of ``h_pre``. ``dbias_gate`` holds the gradients of the biases
+    ``[b_pre | b_post | b_res]`` then of the gates ``a_pre, a_post, a_res``. ``dx = h_pre (x) grad_x_in +
+    d(projection)/dx + grad_x_acc`` (when given), written once.
     """
     T, n, d = x.shape
     K, M = n * d, 2 * n + n * n
     x = x.contiguous()
     f32 = dict(dtype=torch.float32, device=x.device)
-    dz, s, c = torch.empty((T, M), **f32), torch.empty((T, 3), **f32), torch.empty((T,), **f32)
-    dx = torch.empty_like(x)
     if T == 0:
-        return dx.zero_(), torch.zeros((K, M), **f32), dz, s
+        return torch.zeros_like(x), torch.zeros((K, M), **f32), torch.zeros((M + 3,), **f32)
     cols = _columns(n)
-    coefficient_grad_kernel[(triton.cdiv(T, 128),)](
-        dh_pre.contiguous(), h_pre, dh_post.contiguous(), h_post, dz_res.contiguous(), p, r,
-        a_pre, a_post, a_res, dz, s, c, T, K, BLOCK_T=128, num_warps=4, **cols,
+    grad_x_in = grad_x_in.contiguous()
+    g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
+    block_t, block_d = 8, min(128, next_pow2(d))
+    grid_t = triton.cdiv(T, block_t)
+    partial_bias = torch.empty((grid_t, M + 3), **f32)
+    has_dh_pre = dh_pre is not None
+    coefficient_grad_kernel[(grid_t,)](
+        x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
+        dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias,
+        T, d, HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **cols,
     )
-    block_t = 64 if n <= 8 else 32
-    block_k = 64
-    k_chunks = triton.cdiv(K, block_k)
-    splits = max(1, min(triton.cdiv(T, block_t), triton.cdiv(4 * _sm_count(x.device), k_chunks)))
-    partial = torch.empty((splits, K, M), **f32)
+
+    dx = torch.empty_like(x)
+    block_t, block_d, num_warps, num_stages, waves = projection_bwd_config(n)
+    chunks = n * triton.cdiv(d, block_d)
+    splits = max(1, min(triton.cdiv(T, block_t), triton.cdiv(waves * _sm_count(x.device), chunks)))
+    partial_phi = torch.empty((splits, K, M), **f32)
     accumulate = grad_x_acc is not None
-    projection_bwd_kernel[(k_chunks, splits)](
-        x, phi.contiguous(), dz, r, c, a_pre, a_post, a_res,
-        h_pre, grad_x_in.contiguous(), grad_x_acc.contiguous() if accumulate else x, dx, partial,
+    projection_bwd_kernel[(chunks, splits)](
+        x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
         T, d, splits,
-        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t, BLOCK_K=block_k,
-        num_warps=4, **cols,
+        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages, **cols,
     )
-    return dx, partial.sum(0), dz, s
+    return dx, partial_phi.sum(0), partial_bias.sum(0)
 
 
 def _sm_count(device) -> int:

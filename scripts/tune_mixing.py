@@ -1,0 +1,171 @@
+"""Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
+
+    python scripts/tune_mixing.py [compile] [projection] [coefficients] [model-profile]
+
+- ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
+- ``projection`` / ``coefficients``: the backward projection / forward coefficient kernel over a
+  few tile configurations at d = 4096 and 1024, n = 4, 16k tokens (the launchers' config
+  functions are replaced for the sweep);
+- ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
+  with mhc hyper-connections under the profiler (CPU and CUDA time per op).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # cold cache for the compile table
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mhc import kernels  # noqa: E402
+from mhc.kernels import mhc_coefficients  # noqa: E402
+from mhc.mixing import HyperConnection  # noqa: E402
+
+
+def compile_times():
+    """First call of each launcher of one bf16 layer, per n (the Triton cache is cold)."""
+    for n in (2, 4, 8):
+        x, phi, gates, biases = _inputs(64, n, 64)
+        y = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        times = {}
+
+        def first(name, call):
+            t0 = time.perf_counter()
+            out = call()
+            torch.cuda.synchronize()
+            times[name] = time.perf_counter() - t0
+            return out
+
+        x_in, p, r, h_pre, h_post, z_res, h_res = first(
+            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20))
+        first("post-mix fwd", lambda: kernels.stream_mix_fwd(x, h_res, y, h_post))
+        first("post-mix bwd", lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, torch.randn_like(x)))
+        first("sinkhorn bwd", lambda: kernels.sinkhorn_bwd(z_res, torch.randn_like(z_res), 20))
+        first("coefficients bwd", lambda: kernels.coefficients_bwd(
+            x, phi, *gates, p, r, h_pre, h_post, None, h_post, z_res, y, torch.randn_like(x)))
+        print(f"  compile n={n}: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
+
+
+def launch_overhead():
+    """Host time of one layer's forward + backward at 64 tokens (GPU time negligible)."""
+    from benchmark_mixing import MLP, wrap
+
+    for arm in ("plain", "mhc", "liger"):
+        try:
+            module = wrap(arm, MLP(256).cuda().to(torch.bfloat16), 256, 4)
+        except Exception as e:
+            print(f"  {arm}: skipped ({type(e).__name__})")
+            continue
+        shape = (64, 256) if arm == "plain" else (64, 4, 256)
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn_like(x)
+        for _ in range(20):
+            module(x).backward(w)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            module(x).backward(w)
+        torch.cuda.synchronize()
+        print(f"  host time fwd+bwd {arm:>6}: {(time.perf_counter() - t0) / 200 * 1e6:7.0f} us", flush=True)
+
+
+def _inputs(dim, n, T):
+    K, M = n * dim, 2 * n + n * n
+    x = torch.randn(T, n, dim, device="cuda", dtype=torch.bfloat16)
+    phi = torch.randn(K, M, device="cuda") / math.sqrt(K)
+    gates = [torch.tensor(0.5, device="cuda") for _ in range(3)]
+    biases = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, n, device="cuda")]
+    return x, phi, gates, biases
+
+
+def sweep_projection():
+    from triton.testing import do_bench
+
+    configs = [(64, 64, 4, 3, 4), (64, 64, 8, 3, 4), (32, 64, 4, 3, 4), (64, 128, 8, 3, 4), (32, 128, 4, 3, 4),
+               (64, 64, 4, 1, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (32, 32, 4, 3, 8)]
+    original = mhc_coefficients.projection_bwd_config
+    for dim in (4096, 1024):
+        n, T = 4, 16384
+        x, phi, gates, biases = _inputs(dim, n, T)
+        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+        g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+        g_acc = torch.randn_like(x)
+        nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
+        for cfg in configs:
+            mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
+            call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+            try:
+                ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+                print(f"  projection bwd d={dim} {cfg}: {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s", flush=True)
+            except Exception as e:
+                print(f"  projection bwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+    mhc_coefficients.projection_bwd_config = original
+
+
+def sweep_coefficients():
+    from triton.testing import do_bench
+
+    configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
+               (64, 128, 8, 4)]
+    original = mhc_coefficients.coefficients_fwd_config
+    for dim in (4096, 1024):
+        x, phi, gates, biases = _inputs(dim, 4, 16384)
+        for cfg in configs:
+            mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
+            call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+            try:
+                ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+                print(f"  coefficients fwd d={dim} {cfg}: {ms:7.3f} ms {2 * x.numel() * 2 / ms / 1e6:6.0f} GB/s", flush=True)
+            except Exception as e:
+                print(f"  coefficients fwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+    mhc_coefficients.coefficients_fwd_config = original
+
+
+def model_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmark_mixing import GPT
+
+    for arm in ("mhc", "plain"):
+        model = GPT(arm).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        tokens = torch.randint(0, 32768, (8, 2048), device="cuda")
+
+        def step():
+            model(tokens, tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        print(f"## {arm}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms per step (wall)", flush=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+        if arm == "mhc":
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+        del model, opt
+
+
+if __name__ == "__main__":
+    todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients", "model-profile"]
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
+                     ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
+        if name in todo:
+            print(f"# {name}", flush=True)
+            fn()
