@@ -76,6 +76,61 @@ def launch_overhead():
         print(f"  host time fwd+bwd {arm:>6}: {(time.perf_counter() - t0) / 200 * 1e6:7.0f} us", flush=True)
 
 
+def host_profile():
+    """cProfile of the host side of one mHC layer's forward + backward at 64 tokens."""
+    import cProfile
+    import pstats
+
+    from benchmark_mixing import MLP, wrap
+
+    module = wrap("mhc", MLP(256).cuda().to(torch.bfloat16), 256, 4)
+    x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn_like(x)
+    for _ in range(20):
+        module(x).backward(w)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        module(x).backward(w)
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+def kernel_resources():
+    """Registers, spills and shared memory of the projection backward for a few configurations."""
+    from triton.testing import do_bench
+
+    captured = {}
+    jit = mhc_coefficients.projection_bwd_kernel
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured["k"] = jit[grid](*args, **kwargs)
+            return launch
+
+    mhc_coefficients.projection_bwd_kernel = Capture()
+    original = mhc_coefficients.projection_bwd_config
+    x, phi, gates, biases = _inputs(4096, 4, 16384)
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+    g_in = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+    g_acc = torch.randn_like(x)
+    for cfg in [(64, 64, 4, 3, 8), (64, 64, 4, 2, 8), (64, 64, 4, 4, 8), (64, 32, 4, 3, 8), (32, 64, 2, 3, 8),
+                (64, 128, 4, 3, 4), (128, 32, 4, 3, 8)]:
+        mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
+        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+        try:
+            ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+            k = captured["k"]
+            print(f"  {cfg}: {ms:6.3f} ms regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}", flush=True)
+        except Exception as e:
+            print(f"  {cfg}: failed {type(e).__name__}", flush=True)
+    mhc_coefficients.projection_bwd_config = original
+    mhc_coefficients.projection_bwd_kernel = jit
+
+
 def _inputs(dim, n, T):
     K, M = n * dim, 2 * n + n * n
     x = torch.randn(T, n, dim, device="cuda", dtype=torch.bfloat16)
@@ -163,6 +218,10 @@ def model_profile():
 
 if __name__ == "__main__":
     todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients", "model-profile"]
+    if "host" in todo:
+        host_profile()
+    if "resources" in todo:
+        kernel_resources()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("coefficients", sweep_coefficients), ("model-profile", model_profile)):

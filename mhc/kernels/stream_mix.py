@@ -151,7 +151,8 @@ def _per_token(c: torch.Tensor | None, per_token: int):
     assert c.dtype == torch.float32
     if c.shape[0] == 1:
         return c, 0
-    if c.stride(0) not in (0, per_token) or not c[0].is_contiguous():
+    dense_rows = c.stride(-1) == 1 and (c.dim() == 2 or c.stride(1) == c.shape[2])
+    if c.stride(0) not in (0, per_token) or not dense_rows:
         c = c.contiguous()
     return c, c.stride(0)
 
