@@ -57,13 +57,26 @@ def _dot_fp32(a, b, SPLIT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _dot_fp32_both(a, b, SPLIT_BF16: tl.constexpr):
+    """``a @ b`` of two fp32 operands: three bf16 products of their split halves (16 significant
+    bits, fewer registers than tf32x3; for 16-bit activations), else tf32x3."""
+    if SPLIT_BF16:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        b_hi = b.to(tl.bfloat16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
 def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
     """Columns of the ``[pre | post]`` tile ``[NPP]``: masks of the pre and the post columns."""
     o_c = tl.arange(0, NPP)
     return o_c, o_c < N, (o_c >= N) & (o_c < 2 * N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "D", "eps"])
 def coefficients_fwd_kernel(
     # pointers: streams x [T, N, D], phi [N * D, M] fp32, gates (3 scalars), biases
     x_ptr, phi_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
@@ -138,7 +151,7 @@ def coefficients_fwd_kernel(
     _store_rows(h_res_ptr, offs, m, h_res, N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "D"])
 def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
@@ -214,7 +227,7 @@ def coefficient_grad_kernel(
     tl.store(p_part + M + 2, tl.sum(s_res, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "D", "SPLITS"])
 def projection_bwd_kernel(
     # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
     # dx_in [T, D]; dx_acc [T, N, D] (added to dx)
@@ -255,8 +268,8 @@ def projection_bwd_kernel(
         b_x = tl.load(x_ptr + p_x, mask=m, other=0.0)
         b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
 
-        dx = tl.dot(b_g_pp, tl.trans(b_phi_pp), input_precision="tf32x3")
-        dx += tl.dot(b_g_res, tl.trans(b_phi_res), input_precision="tf32x3")
+        dx = _dot_fp32_both(b_g_pp, tl.trans(b_phi_pp), SPLIT_BF16)
+        dx += _dot_fp32_both(b_g_res, tl.trans(b_phi_res), SPLIT_BF16)
         dx += h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
         if ACCUMULATE:
             dx += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)

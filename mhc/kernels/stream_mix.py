@@ -43,24 +43,42 @@ def _load_streams(x_ptr, o_t, o_d, m, D, N: tl.constexpr):
 
 
 @triton.jit
+def _load_streams_3d(x_ptr, o_t, o_d, m, D, N: tl.constexpr, NP: tl.constexpr):
+    """The streams as one tile ``[BLOCK_T, NP, BLOCK_D]`` in fp32 (padded streams read as 0), and
+    the stream offsets ``[NP]``: code size independent of ``N``, for wide mixes."""
+    o_j = tl.arange(0, NP)
+    p_x = x_ptr + o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
+    m3 = m[:, None, :] & (o_j < N)[None, :, None]
+    return tl.load(p_x, mask=m3, other=0.0).to(tl.float32), o_j
+
+
+@triton.jit(do_not_specialize=["T", "D", "stride_w", "stride_b"])
 def stream_mix_fwd_kernel(
     # pointers: x [T, N, D], y [T, D], w [T, N_OUT, N], b [T, N_OUT], out [T, N_OUT, D]
     x_ptr, y_ptr, w_ptr, b_ptr, out_ptr,
     # sizes and the coefficients' token strides (0: one set for all tokens)
     T, D, stride_w, stride_b,
-    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr,
+    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     o_t, o_d, m = _token_tile(tl.program_id(0), tl.program_id(1), T, D, BLOCK_T, BLOCK_D)
     t_ok = o_t < T
-    xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+    if UNROLL:
+        xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+    else:
+        x3, o_j = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
     if HAS_Y:
         y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     for i in tl.static_range(N_OUT):
-        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):
-            w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
-            acc += w_ij[:, None] * xs[j]
+        if UNROLL:
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+                acc += w_ij[:, None] * xs[j]
+        else:
+            p_w = w_ptr + o_t[:, None] * stride_w + i * N + o_j[None, :]
+            w_i = tl.load(p_w, mask=t_ok[:, None] & (o_j < N)[None, :], other=0.0)
+            acc = tl.sum(w_i[:, :, None] * x3, axis=1)
         if HAS_Y:
             b_i = tl.load(b_ptr + o_t * stride_b + i, mask=t_ok, other=0.0)
             acc += b_i[:, None] * y
@@ -68,31 +86,36 @@ def stream_mix_fwd_kernel(
         tl.store(p_out, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "D", "stride_w", "stride_b"])
 def stream_mix_bwd_kernel(
     # pointers: the forward's inputs, dout [T, N_OUT, D], dx_acc [T, N, D] (added to dx),
     # outputs dx [T, N, D], dy [T, D], dw [T, N_OUT, N] and db [T, N_OUT] (fp32, contiguous)
     x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr,
     dx_ptr, dy_ptr, dw_ptr, db_ptr,
     T, D, stride_w, stride_b,
-    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr,
+    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
     WRITE_DX: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
-    # per-token coefficient gradients, reduced over D chunk by chunk
+    o_j = tl.arange(0, NP)
+    # per-token coefficient gradients, reduced over D chunk by chunk: one [BLOCK_T] accumulator
+    # per (i, j) unrolled, one [BLOCK_T, NP] row per i otherwise
     dw = ()
-    for k in tl.static_range(N_OUT * N):
-        dw = dw + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+    for k in tl.static_range(N_OUT * N if UNROLL else N_OUT):
+        dw = dw + (tl.zeros([BLOCK_T] if UNROLL else [BLOCK_T, NP], dtype=tl.float32),)
     db = ()
     for i in tl.static_range(N_OUT):
         db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
 
     for i_d in range(tl.cdiv(D, BLOCK_D)):
         _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
-        xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+        if UNROLL:
+            xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+        else:
+            x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
         douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
         if HAS_Y:
             y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
@@ -106,29 +129,56 @@ def stream_mix_bwd_kernel(
             tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
         dw_new = ()
         for i in tl.static_range(N_OUT):
-            for j in tl.static_range(N):
-                dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
+            if UNROLL:
+                for j in tl.static_range(N):
+                    dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
+            else:
+                dw_new = dw_new + (dw[i] + tl.sum(douts[i][:, None, :] * x3, axis=2),)
         dw = dw_new
         if WRITE_DX:
-            for j in tl.static_range(N):
-                p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
+            if UNROLL:
+                for j in tl.static_range(N):
+                    p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
+                    if ACCUMULATE:
+                        dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
+                    else:
+                        dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                    for i in tl.static_range(N_OUT):
+                        w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+                        dx += w_ij[:, None] * douts[i]
+                    tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
+            else:
+                p_dx = o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
+                m3 = m[:, None, :] & (o_j < N)[None, :, None]
                 if ACCUMULATE:
-                    dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
+                    dx3 = tl.load(dx_acc_ptr + p_dx, mask=m3, other=0.0).to(tl.float32)
                 else:
-                    dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                    dx3 = tl.zeros([BLOCK_T, NP, BLOCK_D], dtype=tl.float32)
                 for i in tl.static_range(N_OUT):
-                    w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
-                    dx += w_ij[:, None] * douts[i]
-                tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
+                    p_w = w_ptr + o_t[:, None] * stride_w + i * N + o_j[None, :]
+                    w_i = tl.load(p_w, mask=t_ok[:, None] & (o_j < N)[None, :], other=0.0)
+                    dx3 += w_i[:, :, None] * douts[i][:, None, :]
+                tl.store(dx_ptr + p_dx, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
 
-    for k in tl.static_range(N_OUT * N):
-        tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
+    if UNROLL:
+        for k in tl.static_range(N_OUT * N):
+            tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
+    else:
+        for i in tl.static_range(N_OUT):
+            p_dw = dw_ptr + o_t[:, None] * (N_OUT * N) + i * N + o_j[None, :]
+            tl.store(p_dw, dw[i], mask=t_ok[:, None] & (o_j < N)[None, :])
     if HAS_Y:
         for i in tl.static_range(N_OUT):
             tl.store(db_ptr + o_t * N_OUT + i, db[i], mask=t_ok)
 
 
 # ------------------------------------------------------------------------------ launchers
+
+
+def _unroll(n: int, n_out: int) -> dict:
+    """Streams unrolled one tile each up to n = 8 (fastest); beyond, one ``[BLOCK_T, NP, BLOCK_D]``
+    tile, so that code size and compile time stay flat in n."""
+    return dict(UNROLL=n <= 8, NP=next_pow2(n))
 
 
 def _fwd_config(n: int, d: int) -> tuple[int, int]:
@@ -182,7 +232,7 @@ def stream_mix_fwd(
     stream_mix_fwd_kernel[(triton.cdiv(T, block_t), triton.cdiv(d, block_d))](
         x, y if has_y else x, w, b if has_y else w, out,
         T, d, stride_w, stride_b,
-        N=n, N_OUT=n_out, HAS_Y=has_y, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        N=n, N_OUT=n_out, HAS_Y=has_y, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_unroll(n, n_out),
     )
     return out
 
@@ -222,6 +272,6 @@ def stream_mix_bwd(
         dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw,
         T, d, stride_w, stride_b,
         N=n, N_OUT=n_out, HAS_Y=has_y, WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_unroll(n, n_out),
     )
     return dx, dy, dw, db
