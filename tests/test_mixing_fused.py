@@ -64,7 +64,7 @@ def assert_all_close(got, want, rtol, atol):
 
 @given(
     # on a GPU every n compiles its own kernels: a few there, all of 1..8 in the interpreter
-    n=st.sampled_from([1, 3, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
+    n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
     lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
     constraint=st.sampled_from(["sinkhorn", "none"]), dynamic=st.booleans(), seed=st.integers(0, 2**16),
 )

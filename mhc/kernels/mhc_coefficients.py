@@ -57,19 +57,6 @@ def _dot_fp32(a, b, SPLIT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _dot_fp32_both(a, b, SPLIT_BF16: tl.constexpr):
-    """``a @ b`` of two fp32 operands: three bf16 products of their split halves (16 significant
-    bits, fewer registers than tf32x3; for 16-bit activations), else tf32x3."""
-    if SPLIT_BF16:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        b_hi = b.to(tl.bfloat16)
-        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-        return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
-    return tl.dot(a, b, input_precision="tf32x3")
-
-
-@triton.jit
 def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
     """Columns of the ``[pre | post]`` tile ``[NPP]``: masks of the pre and the post columns."""
     o_c = tl.arange(0, NPP)
@@ -268,8 +255,8 @@ def projection_bwd_kernel(
         b_x = tl.load(x_ptr + p_x, mask=m, other=0.0)
         b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
 
-        dx = _dot_fp32_both(b_g_pp, tl.trans(b_phi_pp), SPLIT_BF16)
-        dx += _dot_fp32_both(b_g_res, tl.trans(b_phi_res), SPLIT_BF16)
+        dx = tl.dot(b_g_pp, tl.trans(b_phi_pp), input_precision="tf32x3")
+        dx += tl.dot(b_g_res, tl.trans(b_phi_res), input_precision="tf32x3")
         dx += h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
         if ACCUMULATE:
             dx += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)

@@ -10,6 +10,11 @@ Streams ``x`` are ``[T, N, D]`` in the activation dtype, ``y`` is ``[T, D]``, th
 fp32 with a token stride that may be 0 (static coefficients, one set for every token). Arithmetic
 is fp32; every stream tile is read once and every output tile written once.
 
+Up to ``N = 8`` every stream is its own tile and every coefficient its own unrolled product
+(fastest); beyond, the streams form one ``[BLOCK_T, NP, BLOCK_D]`` tile and the per-token
+products over streams are batched ``tl.dot``, so that code size and compile time do not grow
+with ``N * N_OUT``.
+
 The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (+ dx_acc)``,
 ``dy = sum_i b_i dout_i`` and the per-token coefficient gradients ``dw[i, j] = <dout_i, x_j>``,
 ``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics).
@@ -100,22 +105,37 @@ def stream_mix_bwd_kernel(
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
-    o_j = tl.arange(0, NP)
-    # per-token coefficient gradients, reduced over D chunk by chunk: one [BLOCK_T] accumulator
-    # per (i, j) unrolled, one [BLOCK_T, NP] row per i otherwise
+    if UNROLL:
+        _mix_bwd_unrolled(
+            x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
+            o_t, i_t, T, D, stride_w, stride_b, N, N_OUT, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
+        )
+    else:
+        _mix_bwd_wide(
+            x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
+            o_t, i_t, T, D, stride_w, stride_b, N, N_OUT, NP, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
+        )
+
+
+@triton.jit
+def _mix_bwd_unrolled(
+    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
+    o_t, i_t, T, D, stride_w, stride_b,
+    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One tile per stream; one ``[BLOCK_T]`` accumulator per coefficient (n <= 8)."""
+    t_ok = o_t < T
     dw = ()
-    for k in tl.static_range(N_OUT * N if UNROLL else N_OUT):
-        dw = dw + (tl.zeros([BLOCK_T] if UNROLL else [BLOCK_T, NP], dtype=tl.float32),)
+    for k in tl.static_range(N_OUT * N):
+        dw = dw + (tl.zeros([BLOCK_T], dtype=tl.float32),)
     db = ()
     for i in tl.static_range(N_OUT):
         db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
 
     for i_d in range(tl.cdiv(D, BLOCK_D)):
         _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
-        if UNROLL:
-            xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
-        else:
-            x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
+        xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
         douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
         if HAS_Y:
             y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
@@ -129,47 +149,77 @@ def stream_mix_bwd_kernel(
             tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
         dw_new = ()
         for i in tl.static_range(N_OUT):
-            if UNROLL:
-                for j in tl.static_range(N):
-                    dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
-            else:
-                dw_new = dw_new + (dw[i] + tl.sum(douts[i][:, None, :] * x3, axis=2),)
+            for j in tl.static_range(N):
+                dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
         dw = dw_new
         if WRITE_DX:
-            if UNROLL:
-                for j in tl.static_range(N):
-                    p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
-                    if ACCUMULATE:
-                        dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
-                    else:
-                        dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-                    for i in tl.static_range(N_OUT):
-                        w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
-                        dx += w_ij[:, None] * douts[i]
-                    tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
-            else:
-                p_dx = o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
-                m3 = m[:, None, :] & (o_j < N)[None, :, None]
+            for j in tl.static_range(N):
+                p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
                 if ACCUMULATE:
-                    dx3 = tl.load(dx_acc_ptr + p_dx, mask=m3, other=0.0).to(tl.float32)
+                    dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
                 else:
-                    dx3 = tl.zeros([BLOCK_T, NP, BLOCK_D], dtype=tl.float32)
+                    dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
                 for i in tl.static_range(N_OUT):
-                    p_w = w_ptr + o_t[:, None] * stride_w + i * N + o_j[None, :]
-                    w_i = tl.load(p_w, mask=t_ok[:, None] & (o_j < N)[None, :], other=0.0)
-                    dx3 += w_i[:, :, None] * douts[i][:, None, :]
-                tl.store(dx_ptr + p_dx, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
+                    w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+                    dx += w_ij[:, None] * douts[i]
+                tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
-    if UNROLL:
-        for k in tl.static_range(N_OUT * N):
-            tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
-    else:
-        for i in tl.static_range(N_OUT):
-            p_dw = dw_ptr + o_t[:, None] * (N_OUT * N) + i * N + o_j[None, :]
-            tl.store(p_dw, dw[i], mask=t_ok[:, None] & (o_j < N)[None, :])
+    for k in tl.static_range(N_OUT * N):
+        tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
     if HAS_Y:
         for i in tl.static_range(N_OUT):
             tl.store(db_ptr + o_t * N_OUT + i, db[i], mask=t_ok)
+
+
+@triton.jit
+def _mix_bwd_wide(
+    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
+    o_t, i_t, T, D, stride_w, stride_b,
+    N: tl.constexpr, N_OUT: tl.constexpr, NP: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Streams as ``[BLOCK_T, NP, BLOCK_D]`` tiles; per-token products over streams as batched
+    ``tl.dot`` (IEEE fp32): code size independent of n (n > 8)."""
+    t_ok = o_t < T
+    NO: tl.constexpr = NP if N_OUT > 1 else 1
+    o_i = tl.arange(0, NO)
+    o_j = tl.arange(0, NP)
+    m_w = t_ok[:, None, None] & (o_i < N_OUT)[None, :, None] & (o_j < N)[None, None, :]
+    w3 = tl.load(w_ptr + o_t[:, None, None] * stride_w + o_i[None, :, None] * N + o_j[None, None, :], mask=m_w, other=0.0)
+    if HAS_Y:
+        m_b = t_ok[:, None] & (o_i < N_OUT)[None, :]
+        b2 = tl.load(b_ptr + o_t[:, None] * stride_b + o_i[None, :], mask=m_b, other=0.0)
+        db = tl.zeros([BLOCK_T, NO], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_T, NO, NP], dtype=tl.float32)
+    for i_d in range(tl.cdiv(D, BLOCK_D)):
+        _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
+        x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
+        p_do = dout_ptr + o_t[:, None, None] * (N_OUT * D) + o_i[None, :, None] * D + o_d[None, None, :]
+        dout3 = tl.load(p_do, mask=m[:, None, :] & (o_i < N_OUT)[None, :, None], other=0.0).to(tl.float32)
+        if HAS_Y:
+            y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.sum(b2[:, :, None] * dout3, axis=1)
+            db += tl.sum(dout3 * y[:, None, :], axis=2)
+            tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
+        if N_OUT > 1:
+            dw += tl.dot(dout3, tl.permute(x3, (0, 2, 1)), input_precision="ieee")
+        else:
+            dw += tl.sum(dout3 * x3, axis=2)[:, None, :]
+        if WRITE_DX:
+            p_dx = o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
+            m3 = m[:, None, :] & (o_j < N)[None, :, None]
+            if ACCUMULATE:
+                dx3 = tl.load(dx_acc_ptr + p_dx, mask=m3, other=0.0).to(tl.float32)
+            else:
+                dx3 = tl.zeros([BLOCK_T, NP, BLOCK_D], dtype=tl.float32)
+            if N_OUT > 1:
+                dx3 += tl.dot(tl.permute(w3, (0, 2, 1)), dout3, input_precision="ieee")
+            else:
+                dx3 += tl.permute(w3, (0, 2, 1)) * dout3
+            tl.store(dx_ptr + p_dx, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
+    tl.store(dw_ptr + o_t[:, None, None] * (N_OUT * N) + o_i[None, :, None] * N + o_j[None, None, :], dw, mask=m_w)
+    if HAS_Y:
+        tl.store(db_ptr + o_t[:, None] * N_OUT + o_i[None, :], db, mask=t_ok[:, None] & (o_i < N_OUT)[None, :])
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -182,15 +232,16 @@ def _unroll(n: int, n_out: int) -> dict:
 
 
 def _fwd_config(n: int, d: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_D)``: about 1024 values per stream tile (8 per thread), half from n > 8."""
-    block_d = min(256, next_pow2(d))
-    values = 1024 if n <= 8 else 512
+    """``(BLOCK_T, BLOCK_D)``: about 1024 values per stream tile (8 per thread); smaller tiles
+    for the wide path, which holds every stream at once."""
+    block_d = min(256 if n <= 8 else 64, next_pow2(d))
+    values = 1024 if n <= 8 else 256
     return max(1, values // block_d), block_d
 
 
 def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int]:
-    block_d = min(256, next_pow2(d))
-    values = 1024 if n + n_out <= 8 else 512
+    block_d = min(256 if n <= 8 else 64, next_pow2(d))
+    values = (1024 if n + n_out <= 8 else 512) if n <= 8 else 256
     return max(1, values // block_d), block_d
 
 
