@@ -63,7 +63,7 @@ def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
     return o_c, o_c < N, (o_c >= N) & (o_c < 2 * N)
 
 
-@triton.jit(do_not_specialize=["T", "D", "eps"])
+@triton.jit(do_not_specialize=["T", "eps"])
 def coefficients_fwd_kernel(
     # pointers: streams x [T, N, D], phi [N * D, M] fp32, gates (3 scalars), biases
     x_ptr, phi_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
@@ -138,7 +138,7 @@ def coefficients_fwd_kernel(
     _store_rows(h_res_ptr, offs, m, h_res, N)
 
 
-@triton.jit(do_not_specialize=["T", "D"])
+@triton.jit(do_not_specialize=["T"])
 def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
@@ -214,7 +214,7 @@ def coefficient_grad_kernel(
     tl.store(p_part + M + 2, tl.sum(s_res, axis=0))
 
 
-@triton.jit(do_not_specialize=["T", "D", "SPLITS"])
+@triton.jit(do_not_specialize=["T", "SPLITS"])
 def projection_bwd_kernel(
     # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
     # dx_in [T, D]; dx_acc [T, N, D] (added to dx)

@@ -57,7 +57,8 @@ def _load_streams_3d(x_ptr, o_t, o_d, m, D, N: tl.constexpr, NP: tl.constexpr):
     return tl.load(p_x, mask=m3, other=0.0).to(tl.float32), o_j
 
 
-@triton.jit(do_not_specialize=["T", "D", "stride_w", "stride_b"])
+# sizes that set alignment (D) stay specialised: Triton then knows rows are 16-byte aligned
+@triton.jit(do_not_specialize=["T", "stride_w", "stride_b"])
 def stream_mix_fwd_kernel(
     # pointers: x [T, N, D], y [T, D], w [T, N_OUT, N], b [T, N_OUT], out [T, N_OUT, D]
     x_ptr, y_ptr, w_ptr, b_ptr, out_ptr,
@@ -91,7 +92,7 @@ def stream_mix_fwd_kernel(
         tl.store(p_out, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "D", "stride_w", "stride_b"])
+@triton.jit(do_not_specialize=["T", "stride_w", "stride_b"])
 def stream_mix_bwd_kernel(
     # pointers: the forward's inputs, dout [T, N_OUT, D], dx_acc [T, N, D] (added to dx),
     # outputs dx [T, N, D], dy [T, D], dw [T, N_OUT, N] and db [T, N_OUT] (fp32, contiguous)
@@ -234,13 +235,14 @@ def _unroll(n: int, n_out: int) -> dict:
 def _fwd_config(n: int, d: int) -> tuple[int, int]:
     """``(BLOCK_T, BLOCK_D)``: about 1024 values per stream tile (8 per thread); smaller tiles
     for the wide path, which holds every stream at once."""
-    block_d = min(256 if n <= 8 else 64, next_pow2(d))
+    block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = 1024 if n <= 8 else 256
     return max(1, values // block_d), block_d
 
 
 def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int]:
-    block_d = min(256 if n <= 8 else 64, next_pow2(d))
+    # the wide path's batched dot reduces over BLOCK_D: at least 16
+    block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = (1024 if n + n_out <= 8 else 512) if n <= 8 else 256
     return max(1, values // block_d), block_d
 
