@@ -45,7 +45,7 @@ PRESETS = {
     "cpu": dict(dim=64, layers=4, heads=4, seq_len=64, batch_size=16, steps=600, lr=1e-2,
                 vocab=16, branching=4, eval_every=50, eval_batches=4, loss="torch",
                 dtype="float32"),
-    # one GPU: bf16 autocast, the Triton Sinkhorn kernels and the fused linear cross-entropy
+    # one GPU: bf16 autocast, the fused hyper-connection kernels and the fused linear cross-entropy
     "gpu": dict(dim=512, layers=8, heads=8, seq_len=256, batch_size=32, steps=1000, lr=2e-3,
                 vocab=32, branching=4, eval_every=50, eval_batches=8, loss="fused",
                 dtype="bfloat16"),
