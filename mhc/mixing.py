@@ -120,11 +120,23 @@ class StreamExpand(nn.Module):
         return expand_streams(h, self.n_streams, self.embedding)
 
 
-def _check_branch_output(y, shape) -> None:
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"the branch must return a torch.Tensor, got {type(y).__name__}")
-    if y.shape != shape:
-        raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(y.shape)}")
+def _branch_output(out, shape):
+    """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
+    tensor mixed into the streams (attention modules returning weights or a cache)."""
+    rest = None
+    if isinstance(out, (tuple, list)):
+        if len(out) == 0:
+            raise ValueError("the branch returned an empty tuple; its first element must be the output tensor")
+        out, rest = out[0], tuple(out[1:])
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out, rest
+
+
+def _with_rest(streams: torch.Tensor, rest):
+    return streams if rest is None else (streams, *rest)
 
 
 # ------------------------------------------------------------------------------ hyper-connection
@@ -164,7 +176,8 @@ class HyperConnection(nn.Module):
         rms_eps: epsilon of the RMS normalisation (the paper prints 1e-20).
 
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
-    the branch. ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32.
+    the branch. A branch that returns a tuple ``(y, *extras)`` (attention weights, a cache) has
+    ``y`` mixed into the streams, and ``forward`` returns ``(streams, *extras)``. ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32.
     """
 
     def __init__(
@@ -294,7 +307,9 @@ class HyperConnection(nn.Module):
         """Two-step form for blocks that cannot be wrapped.
 
         ``x_in, finish = hc.split(x)``; ``x_in [..., dim]`` is the branch input; after computing
-        ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the hyper-connection's output.
+        ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the hyper-connection's output. If
+        ``y`` is a tuple (or list), its first element is mixed into the streams and
+        ``finish(y)`` returns ``(streams, *y[1:])``.
         """
         _check_streams(x, self.n_streams, self.dim, "x")
         if _layer_backend(x, self.n_streams, self.backend) == "triton":
@@ -305,10 +320,10 @@ class HyperConnection(nn.Module):
         dtype = x.dtype
         x_in = einsum(h_pre.to(dtype), x, "... s, ... s d -> ... d")
 
-        def finish(y: torch.Tensor) -> torch.Tensor:
-            _check_branch_output(y, x_in.shape)
+        def finish(y):
+            y, rest = _branch_output(y, x_in.shape)
             mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
-            return mixed + einsum(h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d")
+            return _with_rest(mixed + einsum(h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d"), rest)
 
         return x_in, finish
 
@@ -330,13 +345,13 @@ class HyperConnection(nn.Module):
             self._recorder.append(h_res.detach().expand(T, n, n).reshape(*lead, n, n))
         x_in = x_in.view(*lead, dim)
 
-        def finish(y: torch.Tensor) -> torch.Tensor:
-            _check_branch_output(y, x_in.shape)
-            return post_mix(x_pass, y.reshape(T, dim), h_post, h_res).view(*lead, n, dim)
+        def finish(y):
+            y, rest = _branch_output(y, x_in.shape)
+            return _with_rest(post_mix(x_pass, y.reshape(T, dim), h_post, h_res).view(*lead, n, dim), rest)
 
         return x_in, finish
 
-    def forward(self, x: torch.Tensor, *branch_args, **branch_kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *branch_args, **branch_kwargs):
         if self.branch is None:
             raise ValueError("this HyperConnection has no branch: use x_in, finish = hc.split(x)")
         x_in, finish = self.split(x)

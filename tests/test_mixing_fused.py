@@ -196,3 +196,51 @@ def test_integer_streams_are_a_type_error(make):
         make()(torch.zeros(3, 2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="floating-point"):
         expand_streams(torch.zeros(3, 4, dtype=torch.long), 2)
+
+
+class SelfAttention(nn.Module):
+    """Adapter: ``nn.MultiheadAttention`` on ``h`` as query, key and value; returns its tuple."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+
+    def forward(self, h):
+        return self.attn(h, h, h, need_weights=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tuple_branch_multihead_attention(backend):
+    torch.manual_seed(10)
+    attn = SelfAttention(8).to(DEVICE)
+    hc = HyperConnection(8, 3, attn, init="zero", backend=backend).to(DEVICE)
+    x = torch.randn(2, 5, 3, 8, device=DEVICE)
+    out, weights = hc(x)
+    x_in, finish = hc.split(x)
+    y, want_weights = attn(x_in)
+    torch.testing.assert_close(out, finish(y), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights, want_weights)
+    assert weights.shape == (2, 5, 5)
+    streams, weights_again = finish((y, want_weights))
+    torch.testing.assert_close(streams, out, rtol=1e-5, atol=1e-5)
+    streams.sum().backward()
+    assert attn.attn.in_proj_weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tuple_branch_with_cache_and_bad_tuples(backend):
+    torch.manual_seed(11)
+    lin = nn.Linear(6, 6).to(DEVICE)
+    cache = torch.arange(3.0)
+    hc = HyperConnection(6, 2, lambda h: (lin(h), cache, "extra"), init="zero", backend=backend).to(DEVICE)
+    plain = HyperConnection(6, 2, lin, init="zero", backend=backend).to(DEVICE)
+    plain.load_state_dict(hc.state_dict(), strict=False)
+    x = torch.randn(4, 2, 6, device=DEVICE)
+    streams, got_cache, extra = hc(x)
+    assert got_cache is cache and extra == "extra"
+    torch.testing.assert_close(streams, plain(x))
+    _, finish = hc.split(x)
+    with pytest.raises(ValueError, match="empty tuple"):
+        finish(())
+    with pytest.raises(TypeError, match="tuple starting with one"):
+        finish(("not a tensor",))
