@@ -177,7 +177,8 @@ class HyperConnection(nn.Module):
 
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
     the branch. A branch that returns a tuple ``(y, *extras)`` (attention weights, a cache) has
-    ``y`` mixed into the streams, and ``forward`` returns ``(streams, *extras)``. ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32.
+    ``y`` mixed into the streams, and ``forward`` returns ``(streams, *extras)``.
+    ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32.
     """
 
     def __init__(

@@ -25,7 +25,8 @@ __all__ = ["pre_mix", "post_mix", "mhc_pre_mix"]
 
 
 def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.dim() == 1 and t.numel() == 0 and t.shape[0] == 0 else t
+    # the placeholder is the only 1-D output: real ones are [T, ...] with 2 or 3 dims
+    return None if t.dim() == 1 and t.numel() == 0 else t
 
 
 @torch.library.custom_op("mhc::stream_mix_fwd", mutates_args=())

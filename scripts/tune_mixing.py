@@ -22,11 +22,9 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # cold cache for 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from mhc import kernels  # noqa: E402
 from mhc.kernels import mhc_coefficients  # noqa: E402
-from mhc.mixing import HyperConnection  # noqa: E402
 
 
 def compile_times():
@@ -100,8 +98,6 @@ def host_profile():
 
 def kernel_resources():
     """Registers, spills and shared memory of the projection backward for a few configurations."""
-    from triton.testing import do_bench
-
     captured = {}
     jit = mhc_coefficients.projection_bwd_kernel
 
@@ -121,12 +117,9 @@ def kernel_resources():
                 (64, 128, 4, 3, 4), (128, 32, 4, 3, 8)]:
         mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
         call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
-        try:
-            ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+        if _time(f"projection bwd {cfg}", call, 4 * x.numel() * 2 + 2 * g_in.numel() * 2) is not None:
             k = captured["k"]
-            print(f"  {cfg}: {ms:6.3f} ms regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}", flush=True)
-        except Exception as e:
-            print(f"  {cfg}: failed {type(e).__name__}", flush=True)
+            print(f"    regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}", flush=True)
     mhc_coefficients.projection_bwd_config = original
     mhc_coefficients.projection_bwd_kernel = jit
 
@@ -140,9 +133,20 @@ def _inputs(dim, n, T):
     return x, phi, gates, biases
 
 
-def sweep_projection():
+def _time(label, call, nbytes):
+    """Median ms of ``call`` and its GB/s; a configuration the device cannot run is reported."""
     from triton.testing import do_bench
 
+    try:
+        ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+    except Exception as e:  # e.g. more shared memory than the device has
+        print(f"  {label}: failed {type(e).__name__}", flush=True)
+        return None
+    print(f"  {label}: {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s", flush=True)
+    return ms
+
+
+def sweep_projection():
     configs = [(64, 64, 4, 3, 4), (64, 64, 8, 3, 4), (32, 64, 4, 3, 4), (64, 128, 8, 3, 4), (32, 128, 4, 3, 4),
                (64, 64, 4, 1, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (32, 32, 4, 3, 8)]
     original = mhc_coefficients.projection_bwd_config
@@ -156,17 +160,11 @@ def sweep_projection():
         for cfg in configs:
             mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
             call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
-            try:
-                ms = do_bench(call, warmup=25, rep=100, return_mode="median")
-                print(f"  projection bwd d={dim} {cfg}: {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s", flush=True)
-            except Exception as e:
-                print(f"  projection bwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+            _time(f"projection bwd d={dim} {cfg}", call, nbytes)
     mhc_coefficients.projection_bwd_config = original
 
 
 def sweep_coefficients():
-    from triton.testing import do_bench
-
     configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
                (64, 128, 8, 4)]
     original = mhc_coefficients.coefficients_fwd_config
@@ -175,11 +173,7 @@ def sweep_coefficients():
         for cfg in configs:
             mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
             call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
-            try:
-                ms = do_bench(call, warmup=25, rep=100, return_mode="median")
-                print(f"  coefficients fwd d={dim} {cfg}: {ms:7.3f} ms {2 * x.numel() * 2 / ms / 1e6:6.0f} GB/s", flush=True)
-            except Exception as e:
-                print(f"  coefficients fwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+            _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_fwd_config = original
 
 

@@ -9,11 +9,12 @@ Per token ``t`` with flattened streams ``v = x[t] [K = N * D]`` and ``phi [K, M]
     h_pre = sigmoid(z_pre);  h_post = 2 sigmoid(z_post);  h_res = sinkhorn(z_res as [N, N])
 
 The forward reads ``x`` in its own dtype; the projection runs on the tensor cores with fp32
-accuracy (``_dot_fp32``). Its epilogue calls the Sinkhorn core (``sinkhorn_rows``) on the
-program's own tokens, then runs the pre-mix ``x_in = sum_j h_pre[j] x[j]`` as a second pass over
-the same tokens: ``h_pre`` needs the whole token's projection first, and a block of tokens
-(``BLOCK_T * N * D`` values) does not fit on chip at model sizes, so ``x`` is read twice; the
-second pass walks the chunks backwards, so the most recently read come from L2.
+accuracy (``_dot_fp32``). Its epilogue runs the pre-mix ``x_in = sum_j h_pre[j] x[j]`` as a second
+pass over the program's tokens, then calls the Sinkhorn core (``sinkhorn_rows``) on the same
+tokens' matrices. The pre-mix is a second pass because ``h_pre`` needs the whole token's
+projection first and a block of tokens (``BLOCK_T * N * D`` values) does not fit on chip at model
+sizes, so ``x`` is read twice; the second pass walks the chunks backwards, so the most recently
+read come from L2.
 
 The backward is split in two passes because the input gradient of the projection needs every
 coefficient's gradient first:
