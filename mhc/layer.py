@@ -181,6 +181,12 @@ def sinkhorn(
 
     Returns:
         ``[..., n, n]`` doubly stochastic matrices, same dtype as ``logits``, contiguous.
+
+    Non-finite logits act per matrix, on both backends and in both backwards: a NaN anywhere in a
+    matrix makes that whole matrix (and its gradient) NaN, as in ``torch.softmax``; so does a
+    ``+inf`` logit, and a row or column that is all ``-inf`` (no doubly stochastic matrix has a zero
+    row). A single ``-inf`` entry is a structural zero: the result is finite, with 0 there. Other
+    matrices of the batch are unaffected. Details and tests: ``docs/sinkhorn.md``.
     """
     _check_logits(logits)
     check_settings(iters, backward, backend)

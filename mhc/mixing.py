@@ -40,6 +40,9 @@ CONSTRAINTS = ("sinkhorn", "none")
 INITS = ("residual", "zero")
 REDUCTIONS = ("mean", "sum")
 MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
+# RMS epsilon of the coefficient projection. The paper prints 1e-20, for which the gradient of a
+# zero token is ~1e10 |a| |phi|; 1e-6 bounds it by 1e3 |a| |phi| (docs/mixing.md, "Zero tokens").
+DEFAULT_RMS_EPS = 1e-6
 
 
 def _check_floating(x, what: str) -> None:
@@ -76,6 +79,14 @@ def _positive_int(value, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def _check_rms_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rms_eps must be a float, got {type(eps).__name__}")
+    if not (0.0 < eps < math.inf):
+        raise ValueError(f"rms_eps must be a finite float > 0, got {eps}")
+    return float(eps)
 
 
 def _rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,7 +184,10 @@ class HyperConnection(nn.Module):
             coefficients use the fused mixing kernels with coefficients from PyTorch ops.
             ``"torch"``: the pure-PyTorch reference. ``"auto"``: ``"triton"`` for CUDA tensors
             with ``n <= 16``, else ``"torch"``.
-        rms_eps: epsilon of the RMS normalisation (the paper prints 1e-20).
+        rms_eps: epsilon of the RMS normalisation, ``1 / sqrt(mean(v^2) + rms_eps)``. The default
+            ``1e-6`` keeps the gradient of an all-zero or tiny token bounded (at most
+            ``|a| (|phi_ik| + ||phi_k||) / sqrt(rms_eps)`` per logit); the paper's ``1e-20`` gives
+            ``~1e10`` there. It changes tokens with an RMS below ``~1e-3`` only.
 
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
     the branch. A branch that returns a tuple ``(y, *extras)`` (attention weights, a cache) has
@@ -192,7 +206,7 @@ class HyperConnection(nn.Module):
         init: str = "residual",
         backward: str = "exact",
         backend: str = "auto",
-        rms_eps: float = 1e-20,
+        rms_eps: float = DEFAULT_RMS_EPS,
     ):
         super().__init__()
         self.dim = _positive_int(dim, "dim")
@@ -211,7 +225,7 @@ class HyperConnection(nn.Module):
         self.init = init
         self.backward = backward
         self.backend = backend
-        self.rms_eps = rms_eps
+        self.rms_eps = _check_rms_eps(rms_eps)
         self._recorder: list | None = None
 
         self.b_pre = nn.Parameter(torch.zeros(n))
@@ -374,7 +388,8 @@ class LaneMixer(nn.Module):
     Static (``dynamic=False``): one learned ``P = lm.matrix()`` ``[n, n]``,
     ``out[..., i, :] = sum_j P[i, j] x[..., j, :]``. Dynamic (``dynamic=True``, needs ``dim``): one
     ``P`` per token from that token's lanes, ``lm.matrix(x) -> [..., n, n]``: the static logits plus
-    a projection of the RMS-normalised flattened lanes (zero at init).
+    a projection of the RMS-normalised flattened lanes (zero at init; ``rms_eps`` as in
+    :class:`HyperConnection`).
     Shapes: ``forward(x [..., n, dim]) -> [..., n, dim]``.
     """
 
@@ -386,7 +401,7 @@ class LaneMixer(nn.Module):
         dynamic: bool = False,
         backward: str = "exact",
         backend: str = "auto",
-        rms_eps: float = 1e-20,
+        rms_eps: float = DEFAULT_RMS_EPS,
     ):
         super().__init__()
         self.n_lanes = n = _positive_int(n_lanes, "n_lanes")
@@ -395,7 +410,7 @@ class LaneMixer(nn.Module):
             raise ValueError("a dynamic LaneMixer needs dim")
         check_settings(iters, backward, backend)
         self.iters, self.dynamic, self.backward, self.backend = iters, bool(dynamic), backward, backend
-        self.rms_eps = rms_eps
+        self.rms_eps = _check_rms_eps(rms_eps)
         self.logits = nn.Parameter(torch.randn(n, n) * 0.02)
         if self.dynamic:
             self.proj = nn.Parameter(torch.zeros(n * dim, n * n))

@@ -42,7 +42,7 @@ def compile_times():
             return out
 
         x_in, p, r, h_pre, h_post, z_res, h_res = first(
-            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20))
+            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6))
         first("post-mix fwd", lambda: kernels.stream_mix_fwd(x, h_res, y, h_post))
         first("post-mix bwd", lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, torch.randn_like(x)))
         first("sinkhorn bwd", lambda: kernels.sinkhorn_bwd(z_res, torch.randn_like(z_res), 20))
@@ -110,7 +110,7 @@ def kernel_resources():
     mhc_coefficients.projection_bwd_kernel = Capture()
     original = mhc_coefficients.projection_bwd_config
     x, phi, gates, biases = _inputs(4096, 4, 16384)
-    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
     g_in = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     g_acc = torch.randn_like(x)
     for cfg in [(64, 64, 4, 3, 8), (64, 64, 4, 2, 8), (64, 64, 4, 4, 8), (64, 32, 4, 3, 8), (32, 64, 2, 3, 8),
@@ -153,7 +153,7 @@ def sweep_projection():
     for dim in (4096, 1024):
         n, T = 4, 16384
         x, phi, gates, biases = _inputs(dim, n, T)
-        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
         g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
         g_acc = torch.randn_like(x)
         nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
@@ -172,7 +172,7 @@ def sweep_coefficients():
         x, phi, gates, biases = _inputs(dim, 4, 16384)
         for cfg in configs:
             mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
-            call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-20)
+            call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
             _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_fwd_config = original
 

@@ -365,3 +365,37 @@ def test_auto_backend_on_cpu_is_torch():
     out = sinkhorn(x, 4)
     assert out.grad_fn is not None and "SinkhornFunction" not in type(out.grad_fn).__name__
     assert math.isclose(out.sum().item(), 12.0, rel_tol=1e-12)
+
+
+def _poison(kind, z):
+    """Put one kind of non-finite value into the first matrix of ``z [B, n, n]`` (n >= 3)."""
+    if kind == "nan":
+        z[0, 1, 2] = float("nan")
+    elif kind == "+inf":
+        z[0, 1, 2] = float("inf")
+    elif kind == "-inf row":
+        z[0, 1] = -float("inf")
+    elif kind == "-inf column":
+        z[0, :, 1] = -float("inf")
+    elif kind == "-inf entry":
+        z[0, 1, 2] = -float("inf")
+    return z
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backward", ["exact", "implicit"])
+@pytest.mark.parametrize("kind", ["nan", "+inf", "-inf row", "-inf column", "-inf entry"])
+def test_non_finite_logits(kind, backward, backend):
+    # documented in sinkhorn's docstring and docs/sinkhorn.md: non-finite logits act per matrix
+    z = _poison(kind, random_logits((3, 4, 4), 1.0, 11, dtype=torch.float32)).requires_grad_()
+    out = sinkhorn(z, 20, backward=backward, backend=backend)
+    (grad,) = torch.autograd.grad(out, z, random_logits((3, 4, 4), 1.0, 12, dtype=torch.float32))
+    clean = random_logits((3, 4, 4), 1.0, 11, dtype=torch.float32)[1:]
+    torch.testing.assert_close(out[1:], sinkhorn(clean, 20, backend=backend), rtol=0, atol=1e-6)
+    assert torch.isfinite(grad[1:]).all()
+    if kind == "-inf entry":
+        assert torch.isfinite(out).all() and out[0, 1, 2] == 0 and torch.isfinite(grad).all()
+        torch.testing.assert_close(out[0].sum(-1), torch.ones(4, device=out.device), rtol=0, atol=1e-6)
+        torch.testing.assert_close(out[0].sum(-2), torch.ones(4, device=out.device), rtol=0, atol=1e-3)
+    else:
+        assert torch.isnan(out[0]).all() and torch.isnan(grad[0]).all()
