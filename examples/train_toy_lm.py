@@ -5,6 +5,8 @@
     python examples/train_toy_lm.py --preset gpu --compare     # one GPU: Triton kernels, fused loss
     python examples/train_toy_lm.py --text book.txt --compare  # bytes of any text file
     torchrun --nproc_per_node=2 examples/train_toy_lm.py --compare   # data-parallel (DDP)
+    torchrun --nproc_per_node=2 examples/train_toy_lm.py --fsdp      # sharded (FSDP2, per block)
+    python examples/train_toy_lm.py --checkpoint-activations         # recompute blocks in backward
     python examples/train_toy_lm.py --report runs/toy_lm       # redraw plots and table from logs
 
 The default data is a synthetic language with a known optimum: an order-2 Markov chain whose
@@ -35,6 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
@@ -178,11 +186,14 @@ class MLP(nn.Module):
 class TinyGPT(nn.Module):
     """GPT whose every branch (attention, MLP) sits on a plain residual (``baseline``) or inside a
     :class:`HyperConnection` on ``streams`` residual streams (``hc``: unconstrained, ``mhc``: h_res
-    doubly stochastic). The head and loss are one :class:`LinearCrossEntropy`."""
+    doubly stochastic). The head and loss are one :class:`LinearCrossEntropy`. With
+    ``checkpoint_blocks`` every block's activations are recomputed in the backward."""
 
-    def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss):
+    def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss,
+                 checkpoint_blocks=False):
         super().__init__()
         self.residual, self.streams, self.loss = residual, streams, loss
+        self.checkpoint_blocks = checkpoint_blocks
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
         branches = [m for _ in range(layers) for m in (Attention(dim, heads), MLP(dim))]
@@ -201,13 +212,18 @@ class TinyGPT(nn.Module):
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
         if self.residual == "baseline":
             for branch in self.blocks:
-                h = h + branch(h)
+                h = h + self._run(branch, h)
         else:
             x = expand_streams(h, self.streams)  # [B, T, n, dim]
             for hc in self.blocks:
-                x = hc(x)
+                x = self._run(hc, x)
             h = reduce_streams(x)
         return self.norm(h)
+
+    def _run(self, block, inputs):
+        if self.checkpoint_blocks and torch.is_grad_enabled():
+            return checkpoint(block, inputs, use_reentrant=False)
+        return block(inputs)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.hidden(tokens)
@@ -220,7 +236,37 @@ class TinyGPT(nn.Module):
 def build_model(args, arm: str, vocab: int) -> TinyGPT:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     return TinyGPT(vocab, args.dim, args.layers, args.heads, args.seq_len, arm, args.streams,
-                   args.sinkhorn_iters, args.loss)
+                   args.sinkhorn_iters, args.loss, args.checkpoint_activations)
+
+
+def shard(model: TinyGPT, args) -> TinyGPT:
+    """FSDP2: one unit per transformer block (a hyper-connection with its branch), then the root.
+    bf16 / fp16 runs gather parameters in that dtype and reduce gradients in fp32."""
+    dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def full_state(model, opt, args) -> dict:
+    """Model and optimizer state as full tensors (collective under FSDP: every rank calls it)."""
+    if not args.fsdp:
+        return dict(model=model.state_dict(), optimizer=opt.state_dict())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dict(model=get_model_state_dict(model, options=options),
+                optimizer=get_optimizer_state_dict(model, opt, options=options))
+
+
+def load_full_state(model, opt, state, args) -> None:
+    if not args.fsdp:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        return
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, opt, state["optimizer"], options=options)
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -281,19 +327,21 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     name = run_name(arm, args.seed)
     log_path, ckpt_path = out / f"{name}.jsonl", out / f"{name}.pt"
     model = build_model(args, arm, source.vocab).to(device)
+    if args.fsdp:
+        model = shard(model, args)  # before the optimizer: its parameters become sharded DTensors
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if args.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        load_full_state(model, opt, state, args)
         start = state["step"]
     records = [json.loads(line) for line in open(log_path)] if start and log_path.exists() else []
     records = [r for r in records if r["step"] <= start]  # drop what was logged after the checkpoint
     if rank == 0:
         with open(log_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    trained = nn.parallel.DistributedDataParallel(model) if world > 1 and not args.fsdp else model
+    every_rank_runs_model = args.fsdp  # FSDP's forward is collective: evaluation runs on all ranks
     val_batches = [batch_for_step(source, args, i, "val") for i in range(args.eval_batches)]
     optimum = source.optimum(args.seq_len)
     progress = _progress(args, rank, start, name)
@@ -308,6 +356,8 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         opt.step()
         done = step + 1
         if done % args.log_every and done != args.steps and done % args.eval_every:
@@ -324,19 +374,21 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
                       tokens_per_s=(done - last_logged) * tokens_per_step / (now - tick),
                       peak_mem_mib=peak_memory_mib(device), lr=lr_at(step, args), optimum=optimum)
         tick, last_logged = now, done
-        if rank == 0 and (done % args.eval_every == 0 or done == args.steps):
+        if (rank == 0 or every_rank_runs_model) and (done % args.eval_every == 0 or done == args.steps):
             record.update(evaluate(model, val_batches, args, device))
         if rank == 0:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         progress.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         progress.update(1)
-        if rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
-            torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=done, args=vars(args), arm=arm), ckpt_path)
+        if done % args.checkpoint_every == 0 or done == args.steps:
+            state = full_state(model, opt, args) if rank == 0 or every_rank_runs_model else None
+            if rank == 0:
+                torch.save(dict(**state, step=done, args=vars(args), arm=arm), ckpt_path)
         tick = time.perf_counter()  # evaluation and checkpointing are not training time
     progress.close()
-    if rank == 0 and arm != "baseline":
-        save_h_res(model, val_batches[0], args, device, out / f"{name}_h_res.json")
+    if (rank == 0 or every_rank_runs_model) and arm != "baseline":
+        save_h_res(model, val_batches[0], args, device, out / f"{name}_h_res.json", write=rank == 0)
     return log_path
 
 
@@ -347,11 +399,14 @@ def _progress(args, rank, start, name):
 
 
 @torch.no_grad()
-def save_h_res(model, batch, args, device, path: Path) -> None:
+def save_h_res(model, batch, args, device, path: Path, write: bool = True) -> None:
     """h_res of the first, middle and last hyper-connection for the first validation token."""
     model.eval()
     with autocast(args, device), collect_h_res(model) as h_res:
         model(batch[:1, :-1].to(device), batch[:1, 1:].to(device))
+    model.train()
+    if not write:
+        return
     layers = sorted({0, len(h_res) // 2, len(h_res) - 1})
     path.write_text(json.dumps({str(i): h_res[i][0, 0].float().tolist() for i in layers}))
 
@@ -500,6 +555,10 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard with FSDP2 (one unit per block; bf16/fp16 parameters, fp32 reduction) under torchrun")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in the backward (torch.utils.checkpoint)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -526,8 +585,11 @@ def main(argv=None) -> list[Path]:
         return []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    distributed = "WORLD_SIZE" in os.environ  # launched by torchrun, even with one process
+    if args.fsdp and not distributed:
+        sys.exit("--fsdp needs a process group: launch with torchrun --nproc_per_node=N")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if world > 1:
+    if distributed:
         if args.batch_size % world:
             sys.exit(f"--batch-size ({args.batch_size}) must be divisible by the {world} processes")
         if device.type == "cuda":
@@ -545,7 +607,7 @@ def main(argv=None) -> list[Path]:
     logs = [train(arm, args, source, device, rank, world) for arm in arms]
     if rank == 0:
         make_report(Path(args.out_dir), arms, args.seed, command)
-    if world > 1:
+    if distributed:
         dist.destroy_process_group()
     return logs
 

@@ -131,6 +131,22 @@ class StreamExpand(nn.Module):
         return expand_streams(h, self.n_streams, self.embedding)
 
 
+def _gates_from_scalars(module, state_dict, prefix, *args) -> None:
+    """Accept checkpoints whose gates ``a_pre, a_post, a_res`` were 0-d (saved before they became
+    shape ``[1]``)."""
+    for name in ("a_pre", "a_post", "a_res"):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            state_dict[prefix + name] = value.reshape(1)
+
+
+def _streams_of(out_flat: torch.Tensor, shape) -> torch.Tensor:
+    """The fused kernels' ``[T, n, dim]`` output as ``shape``, not recorded as a view (as aten's
+    matmul returns its reshaped product): the buffer has no other owner, and FSDP2 warns about
+    modules that return views."""
+    return torch.ops.aten._unsafe_view(out_flat, shape)
+
+
 def _branch_output(out, shape):
     """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
     tensor mixed into the streams (attention modules returning weights or a cache)."""
@@ -160,7 +176,7 @@ class HyperConnection(nn.Module):
 
     ``constraint="sinkhorn"`` is mHC (arXiv 2512.24880, Eq. 7-9): the flattened token ``[n*dim]`` is
     RMS-normalised (the division applied after one projection to ``n*n + 2n`` logits), scaled by
-    scalar gates ``a_pre, a_post, a_res`` (0.01 at init), biased, then ``h_pre = sigmoid``,
+    gates ``a_pre, a_post, a_res`` (scalars stored as shape ``[1]``, 0.01 at init), biased, then ``h_pre = sigmoid``,
     ``h_post = 2 sigmoid`` and ``h_res = sinkhorn`` (one ``[n, n]`` matrix per token).
     ``constraint="none"`` is the original hyper-connection (arXiv 2409.19606): per-stream RMS norm,
     ``h = a * tanh(x W) + b`` with no constraint on ``h_res``.
@@ -232,9 +248,11 @@ class HyperConnection(nn.Module):
         self.b_post = nn.Parameter(torch.zeros(n))
         self.b_res = nn.Parameter(torch.zeros(n, n))
         if self.dynamic:
-            self.a_pre = nn.Parameter(torch.tensor(0.01))
-            self.a_post = nn.Parameter(torch.tensor(0.01))
-            self.a_res = nn.Parameter(torch.tensor(0.01))
+            # shape [1], not 0-d: FSDP2 shards along dim 0 and refuses scalar parameters
+            self.a_pre = nn.Parameter(torch.full((1,), 0.01))
+            self.a_post = nn.Parameter(torch.full((1,), 0.01))
+            self.a_res = nn.Parameter(torch.full((1,), 0.01))
+            self.register_load_state_dict_pre_hook(_gates_from_scalars)
             # mHC: one projection of the flattened token; HC: one per stream, shared across streams
             fan_in = n * dim if constraint == "sinkhorn" else dim
             self.phi = nn.Parameter(torch.zeros(fan_in, n * n + 2 * n if constraint == "sinkhorn" else n + 2))
@@ -362,7 +380,7 @@ class HyperConnection(nn.Module):
 
         def finish(y):
             y, rest = _branch_output(y, x_in.shape)
-            return _with_rest(post_mix(x_pass, y.reshape(T, dim), h_post, h_res).view(*lead, n, dim), rest)
+            return _with_rest(_streams_of(post_mix(x_pass, y.reshape(T, dim), h_post, h_res), x.shape), rest)
 
         return x_in, finish
 
@@ -435,11 +453,8 @@ class LaneMixer(nn.Module):
             x_flat = x.reshape(-1, n, x.shape[-1])
             T = x_flat.shape[0]
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
-            return post_mix(x_flat, None, None, p).view(x.shape)
-        p = p.to(x.dtype)
-        if self.dynamic:
-            return einsum(p, x, "... t s, ... s d -> ... t d")
-        return einsum(p, x, "t s, ... s d -> ... t d")
+            return _streams_of(post_mix(x_flat, None, None, p), x.shape)
+        return p.to(x.dtype) @ x  # [n, n] or [..., n, n] @ [..., n, dim]; matmul returns no view
 
     def extra_repr(self) -> str:
         return f"n_lanes={self.n_lanes}, dim={self.dim}, iters={self.iters}, dynamic={self.dynamic}"

@@ -134,25 +134,64 @@ def test_bad_flags_exit_with_a_clear_message(flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_data_parallel_equals_single_process(tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_processes_equal_one(tmp_path, engine):
     """torchrun with 2 gloo processes on CPU ends with the parameters of one process on the same
-    global batch (DDP averages the two half-batch gradients).
+    global batch: DDP all-reduces the two half-batch gradients, FSDP2 (one unit per block, fp32
+    here) reduce-scatters them.
 
     Losses and gradient norms agree to float rounding. Parameters agree to a tenth of one Adam
     step (lr = 1e-2): Adam divides by the gradient's magnitude, so on parameters whose gradient is
-    near zero (b_pre) it turns rounding differences of the all-reduce into visible updates."""
+    near zero (b_pre) it turns rounding differences of the reduction into visible updates."""
     args = ["--residual", "mhc", "--steps", "3", "--eval-every", "3", "--log-every", "1"] + TINY
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
-    subprocess.run(ddp + args + ["--out-dir", str(tmp_path / "ddp")], check=True, env=env, cwd=ROOT, timeout=300)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
+    flags = ["--fsdp"] if engine == "fsdp" else []
+    subprocess.run(launch + args + flags + ["--out-dir", str(tmp_path / engine)], check=True, env=env, cwd=ROOT, timeout=300)
     subprocess.run([sys.executable, str(SCRIPT)] + args + ["--out-dir", str(tmp_path / "single")], check=True,
                    env=env, cwd=ROOT, timeout=300)
-    ddp_params, single_params = final_params(tmp_path / "ddp/mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
+    params, single_params = final_params(tmp_path / engine / "mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
+    assert params.keys() == single_params.keys()
     for key in single_params:
-        torch.testing.assert_close(ddp_params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
-    ddp_log, single_log = records(tmp_path / "ddp/mhc_seed0.jsonl"), records(tmp_path / "single/mhc_seed0.jsonl")
-    for a, b in zip(ddp_log, single_log):
+        torch.testing.assert_close(params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
+    log, single_log = records(tmp_path / engine / "mhc_seed0.jsonl"), records(tmp_path / "single/mhc_seed0.jsonl")
+    assert len(log) == len(single_log) == 2 and "val_loss" in log[-1] and "gain" in log[-1]  # steps 2, 3
+    for a, b in zip(log, single_log):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 and abs(a["grad_norm"] / b["grad_norm"] - 1) < 1e-5
+    assert abs(log[-1]["val_loss"] - single_log[-1]["val_loss"]) < 1e-5
+
+
+def test_fsdp_resume_equals_single_process_resume(tmp_path):
+    """A checkpoint written under FSDP2 (full state dict gathered from the shards) resumes under
+    FSDP2 to the same parameters as the same sequence run in one process (tolerance as above)."""
+    common = ["--residual", "mhc", "--eval-every", "2", "--checkpoint-every", "2"] + TINY
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), "--fsdp"]
+    for steps, resume in (("2", []), ("4", ["--resume"])):
+        args = common + ["--steps", steps] + resume
+        subprocess.run(launch + args + ["--out-dir", str(tmp_path / "fsdp")], check=True, env=env, cwd=ROOT, timeout=300)
+        toy.main(args + ["--out-dir", str(tmp_path / "single")])
+    params, single_params = final_params(tmp_path / "fsdp/mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
+    for key in single_params:
+        torch.testing.assert_close(params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
+    assert torch.load(tmp_path / "fsdp/mhc_seed0.pt", weights_only=False)["step"] == 4
+
+
+def test_fsdp_needs_torchrun(capsys):
+    with pytest.raises(SystemExit, match="torchrun"):
+        toy.main(["--fsdp", "--steps", "1", "--out-dir", "unused"] + TINY)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
+    # recomputation replays the same ops on the same inputs: bit-identical training
+    args = ["--residual", "mhc", "--steps", "4", "--eval-every", "4"] + TINY
+    toy.main(args + ["--out-dir", str(tmp_path / "plain")])
+    toy.main(args + ["--checkpoint-activations", "--out-dir", str(tmp_path / "checkpointed")])
+    plain, checkpointed = final_params(tmp_path / "plain/mhc_seed0.pt"), final_params(tmp_path / "checkpointed/mhc_seed0.pt")
+    for key in plain:
+        assert torch.equal(plain[key], checkpointed[key]), key
+    losses = [[r["train_loss"] for r in records(tmp_path / d / "mhc_seed0.jsonl")] for d in ("plain", "checkpointed")]
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,128 @@
+"""Sharded and data-parallel training of every mhc module, activation checkpointing, distributed
+checkpoints, and old checkpoints with 0-d gates.
+
+One ``torchrun`` launch (2 gloo processes on CPU) runs every scenario of
+tests/distributed_worker.py; the tests compare its results with one process on the same global
+batch.
+
+Tolerances (fp32). Losses: 1e-5 (the shards' gradients are averaged by a reduce-scatter or
+all-reduce, so the sums run in another order: rounding only; measured 5e-7). Parameters: 1e-5, a
+hundredth of one AdamW step (lr = 1e-3; measured 5e-7): Adam divides by the gradient's magnitude,
+so on a parameter whose gradient is near zero reduction-order rounding becomes a visible part of a
+step, and a bound tighter than a fraction of a step would test that noise.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mhc.mixing import HyperConnection
+from tests import distributed_worker as worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the PyTorch path; no kernels run here
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests/distributed_worker.py"), str(out)]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    model = worker.build_model()
+    return dict(losses=worker.train(model), params=model.state_dict())
+
+
+def assert_same_training(result, reference, loss_atol=1e-5, param_atol=1e-5):
+    assert len(result["losses"]) == worker.STEPS
+    for got, want in zip(result["losses"], reference["losses"]):
+        assert abs(got - want) < loss_atol, (result["losses"], reference["losses"])
+    assert result["params"].keys() == reference["params"].keys()
+    for key, want in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], want, rtol=0, atol=param_atol, msg=key)
+
+
+def test_the_model_trains_every_parameter(single_process):
+    # the comparisons below would pass vacuously for parameters that never move
+    start = worker.build_model().state_dict()
+    for key, value in single_process["params"].items():
+        assert not torch.equal(value, start[key]), key
+    batch = worker.batches()[0]
+    trained = worker.build_model()
+    trained.load_state_dict(single_process["params"])
+    loss = trained(batch[:, :-1], batch[:, 1:])
+    assert loss < single_process["losses"][0]
+
+
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_checkpointed", "ddp"])
+def test_two_ranks_equal_one_process(distributed_results, single_process, scenario):
+    assert_same_training(torch.load(distributed_results / f"{scenario}.pt"), single_process)
+
+
+def test_fsdp_mixed_precision_trains_close_to_fp32(distributed_results, single_process):
+    # bf16 parameters in the forward and backward, fp32 reduction and master weights: losses within
+    # bf16 rounding of the fp32 run (measured 9e-3), and the same update direction (measured cosine
+    # 0.998; Adam's normalisation turns bf16 gradient noise into whole-step differences on
+    # parameters with small gradients, so elementwise closeness is not expected)
+    result = torch.load(distributed_results / "fsdp_bf16.pt")
+    assert_same_training(result, single_process, loss_atol=2e-2, param_atol=worker.LR * worker.STEPS)
+    start = worker.build_model().state_dict()
+    update, reference = (torch.cat([(p[k] - start[k]).flatten() for k in start])
+                         for p in (result["params"], single_process["params"]))
+    assert torch.nn.functional.cosine_similarity(update, reference, dim=0) > 0.98
+
+
+def test_activation_checkpointing_recomputes_identical_gradients():
+    batch = worker.batches()[0]
+    grads = []
+    for checkpoint_blocks in (False, True):
+        model = worker.build_model(checkpoint_blocks)
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for key, grad in grads[0].items():
+        assert torch.equal(grads[1][key], grad), key
+
+
+def test_dcp_sharded_save_loads_resharded_and_unsharded(distributed_results):
+    saved = torch.load(distributed_results / "fsdp.pt")["params"]
+    resharded = torch.load(distributed_results / "dcp_resharded.pt")["params"]
+    model = worker.build_model()  # one process, no process group, no sharding
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=distributed_results / "dcp")
+    model.load_state_dict(state)
+    for key, value in saved.items():
+        assert torch.equal(resharded[key], value), key
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_state_dict_with_scalar_gates_still_loads():
+    # checkpoints written while the gates were 0-d parameters load into the [1]-shaped gates
+    hc = HyperConnection(8, 2)
+    old = {k: (v.reshape(()) if k.startswith("a_") else v) for k, v in hc.state_dict().items()}
+    old["a_pre"], old["a_post"], old["a_res"] = torch.tensor(0.5), torch.tensor(-0.25), torch.tensor(2.0)
+    nested = torch.nn.Sequential(HyperConnection(8, 2))
+    nested.load_state_dict({"0." + k: v for k, v in old.items()})
+    hc.load_state_dict(old)
+    for layer in (hc, nested[0]):
+        assert layer.a_pre.shape == (1,) and layer.a_pre.item() == 0.5
+        assert layer.a_post.item() == -0.25 and layer.a_res.item() == 2.0
+    with pytest.raises(RuntimeError, match="size mismatch"):  # other shapes are still an error
+        hc.load_state_dict({**old, "a_pre": torch.zeros(2)})
+
+
+def test_gates_are_not_scalars():
+    # FSDP2 refuses 0-d parameters ("fully_shard doesn't support scalar parameters")
+    hc = HyperConnection(8, 2)
+    assert all(p.dim() >= 1 for p in hc.parameters())
