@@ -303,9 +303,12 @@ def main(argv=None):
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward+backward; "
           f"device copy {copy_gbps:.0f} GB/s", flush=True)
     if "kernels" in args.tables:
-        print("## kernels: d=4096, n=4, tokens", args.tokens, flush=True)
-        rows = kernel_table(4096, 4, args.tokens, copy_gbps)
-        write_csv(rows, f"{args.out_dir}/kernels.csv", ["kernel", "ms", "bytes_moved", "gbps", "of_copy"])
+        rows = []
+        for dim in args.dims:
+            for n in args.streams:
+                print(f"## kernels: d={dim}, n={n}, tokens", args.tokens, flush=True)
+                rows += [dict(dim=dim, n=n, **row) for row in kernel_table(dim, n, args.tokens, copy_gbps)]
+        write_csv(rows, f"{args.out_dir}/kernels.csv", ["dim", "n", "kernel", "ms", "bytes_moved", "gbps", "of_copy"])
     if "block" in args.tables:
         print("## block: MLP, tokens", args.tokens, flush=True)
         rows = block_table(args.dims, args.streams, args.tokens)

@@ -4,7 +4,7 @@
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection`` / ``coefficients``: the backward projection / forward coefficient kernel over a
-  few tile configurations at d = 4096 and 1024, n = 4, 16k tokens (the launchers' config
+  few tile configurations at d = 4096 and 1024, n = 4 (or `n=8` as an argument), 16k tokens (the launchers' config
   functions are replaced for the sweep);
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
   with mhc hyper-connections under the profiler (CPU and CUDA time per op).
@@ -93,7 +93,7 @@ def host_profile():
         module(x).backward(w)
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 def kernel_resources():
@@ -148,10 +148,11 @@ def _time(label, call, nbytes):
 
 def sweep_projection():
     configs = [(64, 64, 4, 3, 4), (64, 64, 8, 3, 4), (32, 64, 4, 3, 4), (64, 128, 8, 3, 4), (32, 128, 4, 3, 4),
-               (64, 64, 4, 1, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (32, 32, 4, 3, 8)]
+               (64, 64, 4, 1, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (32, 32, 4, 3, 8), (16, 64, 4, 3, 4),
+               (32, 32, 4, 2, 4), (16, 32, 4, 2, 4), (64, 32, 4, 3, 4), (32, 64, 8, 3, 4)]
     original = mhc_coefficients.projection_bwd_config
     for dim in (4096, 1024):
-        n, T = 4, 16384
+        n, T = STREAMS, 16384
         x, phi, gates, biases = _inputs(dim, n, T)
         x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
         g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
@@ -166,15 +167,39 @@ def sweep_projection():
 
 def sweep_coefficients():
     configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
-               (64, 128, 8, 4)]
+               (64, 128, 8, 4), (32, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 8, 3), (32, 32, 4, 3)]
     original = mhc_coefficients.coefficients_fwd_config
     for dim in (4096, 1024):
-        x, phi, gates, biases = _inputs(dim, 4, 16384)
+        x, phi, gates, biases = _inputs(dim, STREAMS, 16384)
         for cfg in configs:
             mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
             call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
             _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_fwd_config = original
+
+
+def sweep_mix_bwd():
+    """Post + residual backward (N_OUT = n) at d = 4096, n = 6 and 8: unrolled stream tiles against
+    the wide 3-D path (streams padded to 16 for its batched dot), over tile shapes."""
+    from mhc.kernels import stream_mix
+
+    unroll, config = stream_mix._unroll, stream_mix._bwd_config
+    T = 16384
+    for dim in (4096,):
+        for n in (6, 8):
+            x = torch.randn(T, n, dim, device="cuda", dtype=torch.bfloat16)
+            y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+            w = torch.rand(T, n, n, device="cuda")
+            b = torch.rand(T, n, device="cuda")
+            g = torch.randn_like(x)
+            nbytes = 3 * x.numel() * 2 + 2 * y.numel() * 2
+            variants = [("unrolled", True, c) for c in ((2, 256), (4, 128), (8, 64), (16, 32), (4, 256))]
+            variants += [("wide", False, c) for c in ((4, 64), (8, 32), (2, 128), (8, 64), (16, 16))]
+            for name, unrolled, cfg in variants:
+                stream_mix._unroll = lambda n, n_out, u=unrolled: dict(UNROLL=u, NP=max(16, stream_mix.next_pow2(n)))
+                stream_mix._bwd_config = lambda n, n_out, d, cfg=cfg: cfg
+                _time(f"mix bwd d={dim} n={n} {name} {cfg}", lambda: kernels.stream_mix_bwd(x, w, y, b, g), nbytes)
+    stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
 
 def model_profile():
@@ -211,6 +236,8 @@ def model_profile():
 
 
 if __name__ == "__main__":
+    # "n=8" among the arguments: the projection and coefficient sweeps at n = 8 streams (default 4)
+    STREAMS = next((int(a[2:]) for a in sys.argv[1:] if a.startswith("n=")), 4)
     todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients", "model-profile"]
     if "host" in todo:
         host_profile()
@@ -218,6 +245,7 @@ if __name__ == "__main__":
         kernel_resources()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
+                     ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)

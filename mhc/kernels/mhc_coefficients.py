@@ -288,16 +288,20 @@ def _split_bf16(x: torch.Tensor) -> bool:
 
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection."""
+    if 4 < n <= 8:  # measured on an H100 at n = 8: 1.51 ms against 2.73 ms for (32, 64, 4, 3)
+        return 64, 64, 4, 4
     cols = _columns(n)
     block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
-    return (64 if n <= 4 else (32 if n <= 8 else 16)), block_k, 4, 3
+    return (64 if n <= 4 else 16), block_k, 4, 3
 
 
 def projection_bwd_config(n: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves)``: ``waves`` programs per SM at least,
     token splits chosen to reach them."""
-    if n <= 8:
+    if n <= 4:
         return 64, 64, 4, 3, 4
+    if n <= 8:  # res columns [64, 64]: without pipelining, 4.1 ms against 9.2 ms at n = 8, d = 4096
+        return 64, 64, 4, 1, 4
     return 16, 32, 4, 2, 4
 
 
