@@ -41,7 +41,7 @@ INITS = ("residual", "zero")
 REDUCTIONS = ("mean", "sum")
 MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
 # RMS epsilon of the coefficient projection. The paper prints 1e-20, for which the gradient of a
-# zero token is ~1e10 |a| |phi|; 1e-6 bounds it by 1e3 |a| |phi| (docs/mixing.md, "Zero tokens").
+# zero token is ~1e10 |a| |phi|; 1e-6 bounds it by 1e3 |a| |phi| (docs/mixing.md, "Zero and tiny tokens").
 DEFAULT_RMS_EPS = 1e-6
 
 
@@ -176,8 +176,9 @@ class HyperConnection(nn.Module):
 
     ``constraint="sinkhorn"`` is mHC (arXiv 2512.24880, Eq. 7-9): the flattened token ``[n*dim]`` is
     RMS-normalised (the division applied after one projection to ``n*n + 2n`` logits), scaled by
-    gates ``a_pre, a_post, a_res`` (scalars stored as shape ``[1]``, 0.01 at init), biased, then ``h_pre = sigmoid``,
-    ``h_post = 2 sigmoid`` and ``h_res = sinkhorn`` (one ``[n, n]`` matrix per token).
+    gates ``a_pre, a_post, a_res`` (scalars stored as shape ``[1]``, 0.01 at init), biased, then
+    ``h_pre = sigmoid``, ``h_post = 2 sigmoid`` and ``h_res = sinkhorn`` (one ``[n, n]`` matrix per
+    token).
     ``constraint="none"`` is the original hyper-connection (arXiv 2409.19606): per-stream RMS norm,
     ``h = a * tanh(x W) + b`` with no constraint on ``h_res``.
 

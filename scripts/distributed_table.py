@@ -22,23 +22,23 @@ def load(run: Path, arm: str):
     return records, meta
 
 
-def row(name: str, records, meta, reference) -> str:
+def row(name: str, records, meta, reference, skip: int) -> str:
     world = meta.get("world_size", 1)
     ref_loss = {r["step"]: r["train_loss"] for r in reference}
     diffs = [abs(r["train_loss"] - ref_loss[r["step"]]) for r in records if r["step"] in ref_loss]
-    speed = statistics.median(r["tokens_per_s"] for r in records if r["step"] > ARGS.skip)
+    speed = statistics.median(r["tokens_per_s"] for r in records if r["step"] > skip)
     val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), float("nan"))
     return (f"| {name} | {world} | {records[-1]['train_loss']:.4f} | {val:.4f} | {max(diffs):.2e} | "
             f"{speed:,.0f} | {speed / world:,.0f} | {max(r['peak_mem_mib'] for r in records):,.0f} |")
 
 
-def main() -> None:
-    reference, _ = load(Path(ARGS.reference), ARGS.arm)
+def main(args) -> None:
+    reference, _ = load(Path(args.reference), args.arm)
     print("| run | GPUs | train loss | val loss | max step loss diff to reference | tokens/s | tokens/s per GPU | peak MiB (rank 0) |")
     print("|---|---|---|---|---|---|---|---|")
-    for run in [ARGS.reference, *ARGS.runs]:
-        records, meta = load(Path(run), ARGS.arm)
-        print(row(Path(run).name, records, meta, reference))
+    for run in [args.reference, *args.runs]:
+        records, meta = load(Path(run), args.arm)
+        print(row(Path(run).name, records, meta, reference, args.skip))
 
 
 if __name__ == "__main__":
@@ -47,5 +47,4 @@ if __name__ == "__main__":
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--arm", default="mhc")
     parser.add_argument("--skip", type=int, default=20)
-    ARGS = parser.parse_args()
-    main()
+    main(parser.parse_args())

@@ -1,11 +1,14 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
-    python scripts/tune_mixing.py [compile] [projection] [coefficients] [model-profile]
+    python scripts/tune_mixing.py [compile] [overhead] [host] [resources] [projection] [coefficients] [mix-bwd]
+                                  [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection`` / ``coefficients``: the backward projection / forward coefficient kernel over a
-  few tile configurations at d = 4096 and 1024, n = 4 (or `n=8` as an argument), 16k tokens (the launchers' config
-  functions are replaced for the sweep);
+  few tile configurations at d = 4096 and 1024, n = 4 (``n=8`` as an argument: n = 8), 16k
+  tokens (the launchers' config functions are replaced for the sweep);
+- ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
+- ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
   with mhc hyper-connections under the profiler (CPU and CUDA time per op).
 """

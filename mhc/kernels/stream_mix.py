@@ -105,7 +105,6 @@ def stream_mix_bwd_kernel(
 ):
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = o_t < T
     if UNROLL:
         _mix_bwd_unrolled(
             x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
