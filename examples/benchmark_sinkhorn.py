@@ -2,6 +2,8 @@
 
     python examples/benchmark_sinkhorn.py --out results/sinkhorn.csv       # on a CUDA GPU
     python examples/benchmark_sinkhorn.py --plot results/sinkhorn.csv      # draw the plot (anywhere)
+    python examples/benchmark_sinkhorn.py --n 4 8 16 32 64 --mib 256 --impl mhc_exact mhc_implicit compile
+                                                       # many lanes: 256 MiB of logits per n
 
 For each n and T (matrices of n x n, fp32 logits, 20 iterations) it times forward and
 forward+backward through autograd with ``triton.testing.do_bench`` (median, after warm-up,
@@ -134,6 +136,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--T", type=int, nargs="+", default=[2**12, 2**16, 2**20])
+    p.add_argument("--mib", type=int, help="instead of --T: per n, the T that makes this many MiB of logits")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--impl", nargs="+", default=["mhc_exact", "mhc_implicit", "compile", "eager"])
     p.add_argument("--out", default="results/sinkhorn.csv", help="CSV to write")
@@ -146,6 +149,10 @@ def main(argv=None):
         sys.exit("benchmark_sinkhorn.py needs a CUDA GPU (use --plot CSV to draw an existing result)")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
+    if args.mib:
+        rows = [r for n in args.n for r in run([n], [args.mib * 2**20 // (4 * n * n)], args.iters, args.impl, None)]
+        write_csv(rows, args.out, FIELDS)
+        return
     run(args.n, args.T, args.iters, args.impl, args.out)
 
 

@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._tiles import (
-    MAX_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config, next_pow2,
+    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
+    next_pow2,
 )
+from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_bwd, sinkhorn_tiled_fwd
 
 # Iterations whose row scalings the backward keeps in registers: SEG ~ SEGMENT_BUDGET / n^2, which
 # bounds both the registers and the unrolled code (compile time grows with SEG * n^2).
@@ -218,10 +220,13 @@ def _mul_rows(a, b, N: tl.constexpr):
 def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype.
 
-    fp32 arithmetic (fp64 for fp64 input). Non-contiguous input is copied first.
+    fp32 arithmetic (fp64 for fp64 input). Non-contiguous input is copied first. ``n >=
+    TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
     """
     T, n, _ = logits.shape
     assert 1 <= n <= MAX_N and iters >= 1
+    if n >= TILED_MIN_N:
+        return sinkhorn_tiled_fwd(logits, iters)
     logits = logits.contiguous()
     out = torch.empty_like(logits)
     if T == 0:
@@ -247,6 +252,8 @@ def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> to
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
     T, n, _ = logits.shape
     assert grad_out.shape == logits.shape and 1 <= n <= MAX_N and iters >= 1
+    if n >= TILED_MIN_N:
+        return sinkhorn_tiled_bwd(logits, grad_out, iters)
     logits = logits.contiguous()
     grad_out = grad_out.contiguous()
     grad_in = torch.empty_like(logits)

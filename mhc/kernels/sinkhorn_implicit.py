@@ -12,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._tiles import MAX_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config
+from mhc.kernels._tiles import (
+    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
+)
+from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_implicit_bwd
 
 IMPLICIT_VALUES_PER_THREAD = 16
 
@@ -79,6 +82,8 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
     """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad."""
     T, n, _ = out.shape
     assert grad_out.shape == out.shape and 1 <= n <= MAX_N
+    if n >= TILED_MIN_N:
+        return sinkhorn_tiled_implicit_bwd(out, grad_out)
     out = out.contiguous()
     grad_out = grad_out.contiguous()
     grad_in = torch.empty_like(out)

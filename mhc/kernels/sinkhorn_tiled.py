@@ -1,0 +1,302 @@
+"""Sinkhorn kernels for many lanes (n = 5..64): matrices as ``[BLOCK_T, NP, NP]`` tiles.
+
+The same maths as ``sinkhorn.py`` (forward, exact backward) and ``sinkhorn_implicit.py``, laid out
+for larger ``n``: a program holds ``BLOCK_T`` whole matrices as one 3-D tile (``NP = next_pow2(n)``,
+padding masked), row and column reductions are ``tl.sum`` over an axis, and every loop (Sinkhorn
+iterations, reverse steps, CG steps) is a runtime loop. Nothing is unrolled per row, so code size
+and compile time do not grow with ``n`` and the iteration count is not a compile-time constant.
+For ``n = 32, 64`` a program holds one matrix spread over all its warps; for small ``n`` several.
+
+The exact backward recomputes the row scalings from the logits and keeps those of ``SEG``
+iterations as a ``[BLOCK_T, NP, SEGP]`` register tile, written and read by a one-hot select along
+the last axis (Triton has no dynamic register indexing). Runs longer than ``SEG`` iterations are
+split into segments, each recomputed from the first iteration. Nothing but the logits is saved
+between forward and backward. ``docs/sinkhorn.md`` derives the recursion and gives the speed.
+
+Vectors keep their tile axes: row vectors (``u``, row sums) are ``[BLOCK_T, NP, 1]``, column
+vectors (``v``, column sums) ``[BLOCK_T, 1, NP]``, so every product broadcasts against the tile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mhc.kernels._tiles import MAX_N, next_pow2
+
+# (BLOCK_T, num_warps, SEG) per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py).
+# SEG is the number of iterations whose row scalings the exact backward holds on chip.
+# Few warps per program win: reductions then stay within a warp (no shared-memory round trips).
+TILED_CONFIGS = {
+    8: dict(fwd=(64, 2), bwd=(16, 1, 7), implicit=(16, 1)),
+    16: dict(fwd=(16, 2), bwd=(4, 1, 15), implicit=(4, 1)),
+    32: dict(fwd=(2, 1), bwd=(1, 1, 19), implicit=(1, 1)),
+    64: dict(fwd=(1, 2), bwd=(1, 2, 19), implicit=(1, 2)),
+}
+
+
+@triton.jit
+def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Offsets and in-bounds mask ``[BLOCK_T, NP, NP]`` of program ``i_b``'s matrices, and the
+    masks of real rows ``[1, NP, 1]`` and real columns ``[1, 1, NP]``."""
+    o_t = i_b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    o = tl.arange(0, NP)
+    row_ok = o[None, :, None] < N
+    col_ok = o[None, None, :] < N
+    offs = o_t[:, None, None] * (N * N) + o[None, :, None] * N + o[None, None, :]
+    m = (o_t[:, None, None] < T) & row_ok & col_ok
+    return offs, m, row_ok, col_ok
+
+
+@triton.jit
+def _load(ptr, offs, m, FP64: tl.constexpr):
+    """Upcast to the compute dtype (fp64 for fp64 input, else fp32); 0 outside ``m``."""
+    b = tl.load(ptr + offs, mask=m, other=0.0)
+    if FP64:
+        return b.to(tl.float64)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, offs, m, b):
+    """Store in the output dtype, rounding to nearest even when narrowing from fp32."""
+    if ptr.dtype.element_ty == tl.float16 or ptr.dtype.element_ty == tl.bfloat16:
+        b = b.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    else:
+        b = b.to(ptr.dtype.element_ty)
+    tl.store(ptr + offs, b, mask=m)
+
+
+@triton.jit
+def _first_iteration(x, row_ok, col_ok):
+    """Column then row normalisation of ``exp(x)`` in the log domain: ``K`` (rows sum to one, 0 on
+    padding) and ``r1 [B, NP, 1]``, the row sums of the column-normalised iterate."""
+    x = tl.where(row_ok & col_ok, x, float("-inf"))
+    col_max = tl.where(col_ok, tl.max(x, axis=1, keep_dims=True), 0.0)
+    col_sum = tl.sum(tl.exp(x - col_max), axis=1, keep_dims=True)
+    y = x - (col_max + tl.log(tl.where(col_ok, col_sum, 1.0)))
+    row_max = tl.where(row_ok, tl.max(y, axis=2, keep_dims=True), 0.0)
+    e = tl.exp(y - row_max)
+    row_sum = tl.sum(e, axis=2, keep_dims=True)
+    k = e / tl.where(row_ok, row_sum, 1.0)
+    return k, tl.exp(row_max) * row_sum
+
+
+@triton.jit
+def _col_scaling(k, u, col_ok):
+    """Column step ``v = 1 / (K^T u)``: ``[B, 1, NP]``, 0 on padded columns."""
+    s = tl.sum(k * u, axis=1, keep_dims=True)
+    return tl.where(col_ok, 1.0 / tl.where(col_ok, s, 1.0), 0.0)
+
+
+@triton.jit
+def _row_scaling(k, v, row_ok):
+    """Row step ``u = 1 / (K v)``: ``[B, NP, 1]``, 0 on padded rows."""
+    s = tl.sum(k * v, axis=2, keep_dims=True)
+    return tl.where(row_ok, 1.0 / tl.where(row_ok, s, 1.0), 0.0)
+
+
+@triton.jit
+def _scalings(k, u, row_ok, col_ok, n_steps):
+    """``n_steps`` multiplicative iterations (column then row step) from the row scaling ``u``."""
+    v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
+    for _ in range(n_steps):
+        v = _col_scaling(k, u, col_ok)
+        u = _row_scaling(k, v, row_ok)
+    return u, v
+
+
+@triton.jit
+def sinkhorn_tiled_fwd_kernel(
+    x_ptr, out_ptr,  # contiguous [T, N, N]
+    T, iters,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+):
+    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    k, _ = _first_iteration(_load(x_ptr, offs, m, FP64), row_ok, col_ok)
+    ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=2, keep_dims=True))
+    u, v = _scalings(k, ones_u, row_ok, col_ok, iters - 1)
+    _store(out_ptr, offs, m, u * k * v)
+
+
+@triton.jit
+def _pick(hist, slot, h):
+    """Entry ``h`` of a history tile ``[B, NP, SEGP]``: ``[B, NP, 1]``."""
+    return tl.sum(tl.where(slot == h, hist, 0.0), axis=2, keep_dims=True)
+
+
+@triton.jit
+def sinkhorn_tiled_bwd_kernel(
+    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    T, iters,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, SEG: tl.constexpr,
+    SEGP: tl.constexpr, FP64: tl.constexpr,
+):
+    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    g = _load(g_ptr, offs, m, FP64)
+    k, r1 = _first_iteration(_load(x_ptr, offs, m, FP64), row_ok, col_ok)
+    ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(r1)
+    slot = tl.arange(0, SEGP)[None, None, :]
+
+    # The iters - 1 multiplicative iterations (numbered 2..iters) run as n_seg segments of SEG,
+    # the first one short by pad. Final scalings (P = u_t K v_t) and the row / column sums
+    # (rs, cs) of dL/dlog(iterate) at the current reverse position are set here for iters == 1
+    # and by the last segment otherwise; acc collects the subtracted outer products:
+    # dL/dlog(M_1) = G * P - K * acc.
+    mult = iters - 1
+    n_seg = (mult + SEG - 1) // SEG
+    pad = n_seg * SEG - mult
+    u_t = ones_u
+    v_t = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
+    rs = tl.sum(g * k, axis=2, keep_dims=True)
+    cs = tl.sum(g * k, axis=1, keep_dims=True)
+    acc = tl.zeros_like(k)
+
+    for i_rev in range(n_seg):
+        i_seg = n_seg - 1 - i_rev
+        k_lo = 2 + i_seg * SEG - pad  # first iteration of the segment; below 2 is padding
+        h_lo = tl.maximum(0, 2 - k_lo)
+        u, v = _scalings(k, ones_u, row_ok, col_ok, k_lo - 2 + h_lo)
+        hist = tl.where(slot == h_lo, u, 0.0)  # slot h: u after iteration k_lo - 1 + h
+        for h in range(h_lo, SEG):
+            v = _col_scaling(k, u, col_ok)
+            u = _row_scaling(k, v, row_ok)
+            hist = tl.where(slot == h + 1, u, hist)
+        if i_rev == 0:
+            u_t = u
+            v_t = v
+            d = g * (u * k * v)
+            rs = tl.sum(d, axis=2, keep_dims=True)
+            cs = tl.sum(d, axis=1, keep_dims=True)
+
+        u_k = u  # slot SEG
+        for j in range(SEG - h_lo):
+            u_p = _pick(hist, slot, SEG - 1 - j)
+            v_k = _col_scaling(k, u_p, col_ok)
+            # row step on M = diag(u_k) K diag(v_k): alpha = rs
+            a = rs * u_k
+            cs = cs - v_k * tl.sum(k * a, axis=1, keep_dims=True)
+            # column step on M = diag(u_p) K diag(v_k): beta = cs
+            bv = cs * v_k
+            rs = -u_p * tl.sum(k * bv, axis=2, keep_dims=True)
+            acc += a * v_k + u_p * bv
+            cs = tl.zeros_like(cs)
+            u_k = u_p
+
+    # first iteration: row step on K (u = v = 1), then the column step on M1 = r1 * K
+    cs = cs - tl.sum(k * rs, axis=1, keep_dims=True)
+    dx = k * (u_t * g * v_t - acc - rs - r1 * cs)
+    _store(dx_ptr, offs, m, dx)
+
+
+@triton.jit
+def _centered(v, col_ok, N: tl.constexpr):
+    """``v [B, 1, NP]`` minus its mean over the real columns (orthogonal to the null vector 1)."""
+    return tl.where(col_ok, v - tl.sum(v, axis=2, keep_dims=True) / N, 0.0)
+
+
+@triton.jit
+def sinkhorn_tiled_implicit_bwd_kernel(
+    r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    T,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, CG_TOL: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    # The system and the CG loop of sinkhorn_implicit.py, on tiles: A beta = c * beta -
+    # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file).
+    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    r = _load(r_ptr, offs, m, FP64)
+    g = _load(g_ptr, offs, m, FP64)
+    row_sums = tl.sum(r, axis=2, keep_dims=True)
+    col_sums = tl.sum(r, axis=1, keep_dims=True)
+    rn = r / tl.where(row_ok, row_sums, 1.0)  # diag(r)^-1 R
+    s = r * g
+    s_r = tl.sum(s, axis=2, keep_dims=True)
+    rhs = tl.sum(s, axis=1, keep_dims=True) - tl.sum(rn * s_r, axis=1, keep_dims=True)
+
+    beta = tl.zeros_like(rhs)
+    res = _centered(rhs, col_ok, N)
+    p = res
+    rr = tl.sum(res * res, axis=2, keep_dims=True)
+    # At most N steps (exact in exact arithmetic); stop once every residual of the tile is below
+    # CG_TOL of its start, which well-conditioned systems (logits of moderate scale) reach in a few.
+    rr_stop = rr * (CG_TOL * CG_TOL)
+    i_cg = 0
+    while (i_cg < N) & (tl.max(tl.where(rr > rr_stop, 1, 0)) > 0):  # NaN matrices do not count
+        i_cg += 1
+        ap = col_sums * p - tl.sum(rn * tl.sum(r * p, axis=2, keep_dims=True), axis=1, keep_dims=True)
+        pap = tl.sum(p * ap, axis=2, keep_dims=True)
+        alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
+        beta += alpha * p
+        res = _centered(res - alpha * ap, col_ok, N)
+        rr_new = tl.sum(res * res, axis=2, keep_dims=True)
+        gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
+        p = res + gamma * p
+        rr = rr_new
+
+    u = (s_r - tl.sum(r * beta, axis=2, keep_dims=True)) / tl.where(row_ok, row_sums, 1.0)
+    _store(dx_ptr, offs, m, r * (g - u - beta))
+
+
+# ----------------------------------------------------------------------------------- launchers
+
+
+def _config(n: int, kind: str) -> tuple:
+    return TILED_CONFIGS[max(8, next_pow2(n))][kind]
+
+
+def _check(x: torch.Tensor, *others: torch.Tensor) -> tuple[int, int]:
+    T, n, _ = x.shape
+    assert 1 <= n <= MAX_N and all(o.shape == x.shape for o in others)
+    return T, n
+
+
+def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype."""
+    T, n = _check(logits)
+    assert iters >= 1
+    logits = logits.contiguous()
+    out = torch.empty_like(logits)
+    if T == 0:
+        return out
+    block_t, num_warps = _config(n, "fwd")
+    sinkhorn_tiled_fwd_kernel[(triton.cdiv(T, block_t),)](
+        logits, out, T, iters,
+        N=n, NP=next_pow2(n), BLOCK_T=block_t, FP64=logits.dtype == torch.float64,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
+    """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
+    T, n = _check(logits, grad_out)
+    assert iters >= 1
+    logits = logits.contiguous()
+    grad_out = grad_out.contiguous()
+    grad_in = torch.empty_like(logits)
+    if T == 0:
+        return grad_in
+    block_t, num_warps, seg = _config(n, "bwd")
+    sinkhorn_tiled_bwd_kernel[(triton.cdiv(T, block_t),)](
+        logits, grad_out, grad_in, T, iters,
+        N=n, NP=next_pow2(n), BLOCK_T=block_t, SEG=seg, SEGP=next_pow2(seg + 1),
+        FP64=logits.dtype == torch.float64, num_warps=num_warps,
+    )
+    return grad_in
+
+
+def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad."""
+    T, n = _check(out, grad_out)
+    out = out.contiguous()
+    grad_out = grad_out.contiguous()
+    grad_in = torch.empty_like(out)
+    if T == 0:
+        return grad_in
+    block_t, num_warps = _config(n, "implicit")
+    sinkhorn_tiled_implicit_bwd_kernel[(triton.cdiv(T, block_t),)](
+        out, grad_out, grad_in, T,
+        N=n, NP=next_pow2(n), BLOCK_T=block_t, FP64=out.dtype == torch.float64,
+        CG_TOL=1e-13 if out.dtype == torch.float64 else 1e-6, num_warps=num_warps,
+    )
+    return grad_in
