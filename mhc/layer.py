@@ -51,10 +51,10 @@ def _check_logits(logits) -> None:
 
 
 def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
+    n = logits.shape[-1]
     if backend == "auto":
-        backend = "triton" if logits.is_cuda else "torch"
+        backend = "triton" if logits.is_cuda and n <= MAX_N else "torch"
     if backend == "triton":
-        n = logits.shape[-1]
         if n > MAX_N:
             raise ValueError(
                 f"the Triton kernels take n <= {MAX_N}, got n = {n}; use backend='torch'"
@@ -176,8 +176,9 @@ def sinkhorn(
             ``"implicit"`` differentiates the fixed point at the computed output, corrected for a
             non-converged output (saves the output); close to exact only once the forward has
             converged: see ``docs/sinkhorn.md``.
-        backend: ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` (CUDA, or
-            CPU with ``TRITON_INTERPRET=1``; n <= 64) or ``"torch"``.
+        backend: ``"auto"`` (Triton on CUDA tensors with n <= 64, PyTorch otherwise),
+            ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``; n <= 64, else a ValueError)
+            or ``"torch"``.
 
     Returns:
         ``[..., n, n]`` doubly stochastic matrices, same dtype as ``logits``, contiguous.

@@ -410,6 +410,10 @@ class LaneMixer(nn.Module):
     a projection of the RMS-normalised flattened lanes (zero at init; ``rms_eps`` as in
     :class:`HyperConnection`).
     Shapes: ``forward(x [..., n, dim]) -> [..., n, dim]``.
+
+    ``backend`` selects the Sinkhorn (:func:`~mhc.layer.sinkhorn`: Triton kernels for any
+    ``n <= 64``) and the mix: the fused mixing kernel for ``n <= MAX_FUSED_STREAMS`` (16), a batched
+    matmul above (no fused kernel there; ``backend="triton"`` still runs the Sinkhorn kernels).
     """
 
     def __init__(
@@ -450,7 +454,7 @@ class LaneMixer(nn.Module):
         _check_streams(x, self.n_lanes, self.dim, "x")
         p = self.matrix(x)
         n = self.n_lanes
-        if _layer_backend(x, n, self.backend) == "triton":
+        if n <= MAX_FUSED_STREAMS and _layer_backend(x, n, self.backend) == "triton":
             x_flat = x.reshape(-1, n, x.shape[-1])
             T = x_flat.shape[0]
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)

@@ -178,15 +178,16 @@ def test_bf16_parameters_are_accepted():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_lane_mixer_fused_matches_reference(dynamic):
+@pytest.mark.parametrize("n", [6, 20, 64])  # 20 and 64: Sinkhorn kernels, mix as a batched matmul
+def test_lane_mixer_fused_matches_reference(dynamic, n):
     torch.manual_seed(9)
-    fused = LaneMixer(6, dim=10 if dynamic else None, dynamic=dynamic, backend="triton").to(DEVICE)
+    fused = LaneMixer(n, dim=10 if dynamic else None, dynamic=dynamic, backend="triton").to(DEVICE)
     with torch.no_grad():
         for p in fused.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    ref = LaneMixer(6, dim=10 if dynamic else None, dynamic=dynamic, backend="torch").to(DEVICE)
+    ref = LaneMixer(n, dim=10 if dynamic else None, dynamic=dynamic, backend="torch").to(DEVICE)
     ref.load_state_dict(fused.state_dict())
-    x, grad = torch.randn(3, 2, 6, 10, device=DEVICE), torch.randn(3, 2, 6, 10, device=DEVICE)
+    x, grad = torch.randn(3, 2, n, 10, device=DEVICE), torch.randn(3, 2, n, 10, device=DEVICE)
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
 
 

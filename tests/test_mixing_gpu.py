@@ -129,3 +129,32 @@ def test_fused_gradients_bit_identical_at_scale():
     first, second = run(fused, x, w), run(fused, x, w)
     for k in first:
         assert torch.equal(first[k], second[k]), k
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_lane_mixer_many_lanes_matches_fp64_reference(n, dynamic):
+    # Sinkhorn on the tiled kernels; the mix fused at n = 16, a batched matmul above.
+    from mhc.mixing import LaneMixer
+
+    torch.manual_seed(n)
+    lm = LaneMixer(n, dim=96 if dynamic else None, dynamic=dynamic).cuda()
+    with torch.no_grad():  # logits of std ~0.5: static part and projection of the unit-RMS lanes
+        lm.logits.add_(torch.randn_like(lm.logits) * 0.3)
+        if dynamic:
+            lm.proj.add_(torch.randn_like(lm.proj) * 0.3 / (n * 96) ** 0.5)
+    ref = LaneMixer(n, dim=96 if dynamic else None, dynamic=dynamic, backend="torch").double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in lm.state_dict().items()})
+    x, grad = torch.randn(2048, n, 96, device="cuda"), torch.randn(2048, n, 96, device="cuda")
+    got = run(lm, x, grad)
+    want = run(ref, x.double().cpu(), grad.double().cpu())
+    for name, value in want.items():
+        err = (got[name].double().cpu() - value).norm() / value.norm()
+        assert err < 1e-5, (name, err.item())
+
+
+def test_sinkhorn_auto_above_kernel_limit_runs_torch():
+    from mhc.layer import sinkhorn
+
+    x = torch.randn(4, 70, 70, device="cuda")
+    torch.testing.assert_close(sinkhorn(x, 5), sinkhorn(x, 5, backend="torch"))
