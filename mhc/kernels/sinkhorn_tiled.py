@@ -244,18 +244,18 @@ def _config(n: int, kind: str) -> tuple:
     return TILED_CONFIGS[max(8, next_pow2(n))][kind]
 
 
-def _check(x: torch.Tensor, *others: torch.Tensor) -> tuple[int, int]:
-    T, n, _ = x.shape
-    assert 1 <= n <= MAX_N and all(o.shape == x.shape for o in others)
-    return T, n
+def _operands(*tensors: torch.Tensor):
+    """Shape checks; the inputs made contiguous and an empty output like the first. ``T``, ``n``."""
+    T, n, _ = tensors[0].shape
+    assert 1 <= n <= MAX_N and all(t.shape == tensors[0].shape for t in tensors)
+    tensors = [t.contiguous() for t in tensors]
+    return T, n, (*tensors, torch.empty_like(tensors[0]))
 
 
 def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype."""
-    T, n = _check(logits)
+    T, n, (logits, out) = _operands(logits)
     assert iters >= 1
-    logits = logits.contiguous()
-    out = torch.empty_like(logits)
     if T == 0:
         return out
     block_t, num_warps = _config(n, "fwd")
@@ -269,11 +269,8 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
-    T, n = _check(logits, grad_out)
+    T, n, (logits, grad_out, grad_in) = _operands(logits, grad_out)
     assert iters >= 1
-    logits = logits.contiguous()
-    grad_out = grad_out.contiguous()
-    grad_in = torch.empty_like(logits)
     if T == 0:
         return grad_in
     block_t, num_warps, seg = _config(n, "bwd")
@@ -287,10 +284,7 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
 
 def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad."""
-    T, n = _check(out, grad_out)
-    out = out.contiguous()
-    grad_out = grad_out.contiguous()
-    grad_in = torch.empty_like(out)
+    T, n, (out, grad_out, grad_in) = _operands(out, grad_out)
     if T == 0:
         return grad_in
     block_t, num_warps = _config(n, "implicit")
