@@ -79,7 +79,10 @@ def sinkhorn_implicit_bwd_kernel(
 
 
 def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad."""
+    """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad.
+
+    ``n >= TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
+    """
     T, n, _ = out.shape
     assert grad_out.shape == out.shape and 1 <= n <= MAX_N
     if n >= TILED_MIN_N:
