@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def train(arm: str, args, source, device) -> list[dict]:
 
 
 def report(out: Path, logs: dict, optimum: float, args, command: str) -> None:
-    lines = [f"# Dense MoE with and without lane mixing\n", f"`{command}` on {hardware()}; "
+    lines = ["# Dense MoE with and without lane mixing\n", f"`{command}` on {hardware()}; "
              f"{args.experts} experts, {args.layers} layers, mixer {args.mixer}, {args.steps} steps.\n",
              "| arm | final val loss | optimum | tokens/s |", "| --- | --- | --- | --- |"]
     for arm, rs in logs.items():
@@ -213,7 +214,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    args.text = None  # batch_for_step of the toy LM: synthetic source only
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,7 @@ def main(argv=None) -> Path:
     for arm in ARMS:
         logs[arm] = train(arm, args, source, device)
         (out / f"{arm}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logs[arm]))
-    command = "python examples/moe_lanes.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python examples/moe_lanes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report(out, logs, source.optimum(args.seq_len), args, command.strip())
     return out
 

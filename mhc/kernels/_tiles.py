@@ -42,16 +42,30 @@ def _row_tile(i_b, T, N: tl.constexpr, BLOCK_T: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
+def load_upcast(ptr, offs, m, FP64: tl.constexpr):
+    """A block upcast to the compute dtype (fp64 for fp64 input, else fp32); 0 outside ``m``."""
+    b = tl.load(ptr + offs, mask=m, other=0.0)
+    if FP64:
+        return b.to(tl.float64)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def store_rounded(ptr, offs, m, b):
+    """Store a block in the output dtype, rounding to nearest even when narrowing from fp32."""
+    if ptr.dtype.element_ty == tl.float16 or ptr.dtype.element_ty == tl.bfloat16:
+        b = b.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    else:
+        b = b.to(ptr.dtype.element_ty)
+    tl.store(ptr + offs, b, mask=m)
+
+
+@triton.jit
 def _load_rows(ptr, offs, m, N: tl.constexpr, FP64: tl.constexpr):
     """The ``N`` rows, upcast to the compute dtype (fp64 for fp64 input, else fp32)."""
     rows = ()
     for i in tl.static_range(N):
-        b = tl.load(ptr + offs + i * N, mask=m, other=0.0)
-        if FP64:
-            b = b.to(tl.float64)
-        else:
-            b = b.to(tl.float32)
-        rows = rows + (b,)
+        rows = rows + (load_upcast(ptr, offs + i * N, m, FP64),)
     return rows
 
 
@@ -59,12 +73,7 @@ def _load_rows(ptr, offs, m, N: tl.constexpr, FP64: tl.constexpr):
 def _store_rows(ptr, offs, m, rows, N: tl.constexpr):
     """Store in the output dtype, rounding to nearest even when narrowing from fp32."""
     for i in tl.static_range(N):
-        b = rows[i]
-        if ptr.dtype.element_ty == tl.float16 or ptr.dtype.element_ty == tl.bfloat16:
-            b = b.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        else:
-            b = b.to(ptr.dtype.element_ty)
-        tl.store(ptr + offs + i * N, b, mask=m)
+        store_rounded(ptr, offs + i * N, m, rows[i])
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._tiles import MAX_N, next_pow2
+from mhc.kernels._tiles import MAX_N, load_upcast, next_pow2, store_rounded
 
 # (BLOCK_T, num_warps, SEG) per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py).
 # SEG is the number of iterations whose row scalings the exact backward holds on chip.
@@ -45,25 +45,6 @@ def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
     offs = o_t[:, None, None] * (N * N) + o[None, :, None] * N + o[None, None, :]
     m = (o_t[:, None, None] < T) & row_ok & col_ok
     return offs, m, row_ok, col_ok
-
-
-@triton.jit
-def _load(ptr, offs, m, FP64: tl.constexpr):
-    """Upcast to the compute dtype (fp64 for fp64 input, else fp32); 0 outside ``m``."""
-    b = tl.load(ptr + offs, mask=m, other=0.0)
-    if FP64:
-        return b.to(tl.float64)
-    return b.to(tl.float32)
-
-
-@triton.jit
-def _store(ptr, offs, m, b):
-    """Store in the output dtype, rounding to nearest even when narrowing from fp32."""
-    if ptr.dtype.element_ty == tl.float16 or ptr.dtype.element_ty == tl.bfloat16:
-        b = b.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    else:
-        b = b.to(ptr.dtype.element_ty)
-    tl.store(ptr + offs, b, mask=m)
 
 
 @triton.jit
@@ -112,10 +93,10 @@ def sinkhorn_tiled_fwd_kernel(
     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
 ):
     offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
-    k, _ = _first_iteration(_load(x_ptr, offs, m, FP64), row_ok, col_ok)
+    k, _ = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=2, keep_dims=True))
     u, v = _scalings(k, ones_u, row_ok, col_ok, iters - 1)
-    _store(out_ptr, offs, m, u * k * v)
+    store_rounded(out_ptr, offs, m, u * k * v)
 
 
 @triton.jit
@@ -132,8 +113,8 @@ def sinkhorn_tiled_bwd_kernel(
     SEGP: tl.constexpr, FP64: tl.constexpr,
 ):
     offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
-    g = _load(g_ptr, offs, m, FP64)
-    k, r1 = _first_iteration(_load(x_ptr, offs, m, FP64), row_ok, col_ok)
+    g = load_upcast(g_ptr, offs, m, FP64)
+    k, r1 = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(r1)
     slot = tl.arange(0, SEGP)[None, None, :]
 
@@ -185,7 +166,7 @@ def sinkhorn_tiled_bwd_kernel(
     # first iteration: row step on K (u = v = 1), then the column step on M1 = r1 * K
     cs = cs - tl.sum(k * rs, axis=1, keep_dims=True)
     dx = k * (u_t * g * v_t - acc - rs - r1 * cs)
-    _store(dx_ptr, offs, m, dx)
+    store_rounded(dx_ptr, offs, m, dx)
 
 
 @triton.jit
@@ -204,8 +185,8 @@ def sinkhorn_tiled_implicit_bwd_kernel(
     # The system and the CG loop of sinkhorn_implicit.py, on tiles: A beta = c * beta -
     # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file).
     offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
-    r = _load(r_ptr, offs, m, FP64)
-    g = _load(g_ptr, offs, m, FP64)
+    r = load_upcast(r_ptr, offs, m, FP64)
+    g = load_upcast(g_ptr, offs, m, FP64)
     row_sums = tl.sum(r, axis=2, keep_dims=True)
     col_sums = tl.sum(r, axis=1, keep_dims=True)
     rn = r / tl.where(row_ok, row_sums, 1.0)  # diag(r)^-1 R
@@ -234,7 +215,7 @@ def sinkhorn_tiled_implicit_bwd_kernel(
         rr = rr_new
 
     u = (s_r - tl.sum(r * beta, axis=2, keep_dims=True)) / tl.where(row_ok, row_sums, 1.0)
-    _store(dx_ptr, offs, m, r * (g - u - beta))
+    store_rounded(dx_ptr, offs, m, r * (g - u - beta))
 
 
 # ----------------------------------------------------------------------------------- launchers
