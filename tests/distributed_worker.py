@@ -12,6 +12,7 @@ batch. ``build_model``, ``batches`` and ``train`` are shared with that single-pr
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -150,6 +151,10 @@ def main(out: Path) -> None:
     if rank == 0:
         for name, result in results.items():
             torch.save(result, out / f"{name}.pt")
+    # DDP's reducer holds the process group: release it while the group is alive, not at
+    # interpreter exit (a rare abort there: "terminate called without an active exception").
+    del ddp, model
+    gc.collect()
     dist.barrier()  # no rank tears down its process group while another still uses it
     dist.destroy_process_group()
 
