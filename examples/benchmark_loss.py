@@ -1,6 +1,7 @@
 """Benchmark the fused linear + cross-entropy against PyTorch and the peers, side by side.
 
     python examples/benchmark_loss.py --out results/loss.csv           # on a CUDA GPU
+    python examples/benchmark_loss.py --options --tokens 8192         # LM-training extras on
     python examples/benchmark_loss.py --sweep                         # tile shapes of mhc's kernels
 
 Forward+backward of ``loss = CE(x @ W^T, target)`` (mean), bf16 ``x [N, D]`` and ``W [V, D]``, random
@@ -10,6 +11,9 @@ mhc, PyTorch eager (``x @ W.T`` then ``F.cross_entropy``), ``torch.compile`` of 
 own ``F.linear_cross_entropy`` (where the installed PyTorch has it), Liger-Kernel's fused linear
 cross-entropy (as shipped, bf16 ``dW`` accumulation, and with ``accum_dtype=float32``), and Apple's
 Cut Cross-Entropy. A peer that is not installed or fails is reported as skipped.
+
+``--options`` turns on the LM-training extras for every method that has them: label smoothing
+0.1, z-loss 1e-4 and logit soft-cap 30 (mhc, PyTorch eager and compiled, Liger).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from _bench import peak_extra, write_csv
 from mhc.losses import linear_cross_entropy
 
 SHAPES = [(4096, 128256), (2304, 256000)]
+OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
 TOKENS = [4096, 8192, 16384]
 FLOPS_PER_SECOND = 800e12  # dense bf16 products measured on the H100 (8192^3 matmul)
 
@@ -33,27 +38,41 @@ def eager(x, w, t):
     return F.cross_entropy((x @ w.t()).float(), t)
 
 
-def _methods():
+def eager_with_options(x, w, t):
+    logits = (x @ w.t()).float()
+    logits = OPTIONS["softcap"] * torch.tanh(logits / OPTIONS["softcap"])
+    z_loss = OPTIONS["lse_square_scale"] * torch.logsumexp(logits, dim=1).square().mean()
+    return F.cross_entropy(logits, t, label_smoothing=OPTIONS["label_smoothing"]) + z_loss
+
+
+def _methods(options=False):
     """name -> loss function (x, w, t), and name -> reason for the peers that are skipped."""
+    extras = OPTIONS if options else {}
+    reference = eager_with_options if options else eager
     methods = {
-        "mhc": lambda x, w, t: linear_cross_entropy(x, w, t),
-        "torch eager": eager,
-        "torch.compile": torch.compile(eager),
+        "mhc": lambda x, w, t: linear_cross_entropy(x, w, t, **extras),
+        "torch eager": reference,
+        "torch.compile": torch.compile(reference),
     }
     skipped = {}
-    if hasattr(F, "linear_cross_entropy"):
+    if options:
+        skipped["torch F.linear_cross_entropy"] = "has no z-loss or soft-cap"
+    elif hasattr(F, "linear_cross_entropy"):
         methods["torch F.linear_cross_entropy"] = lambda x, w, t: F.linear_cross_entropy(x, w, t)
     else:
         skipped["torch F.linear_cross_entropy"] = f"not in torch {torch.__version__}"
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        liger = LigerFusedLinearCrossEntropyLoss()
-        liger32 = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
+        liger = LigerFusedLinearCrossEntropyLoss(**extras)
+        liger32 = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32, **extras)
         methods["Liger"] = lambda x, w, t: liger(w, x, t)
         methods["Liger (fp32 dW)"] = lambda x, w, t: liger32(w, x, t)
     except ImportError as e:
         skipped["Liger"] = f"not installed ({e})"
+    if options:
+        skipped["Cut Cross-Entropy"] = "has no label smoothing or z-loss"
+        return methods, skipped
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
 
@@ -88,8 +107,8 @@ def measure(fn, x, w, t):
     return ms, extra / 2**20, loss
 
 
-def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES):
-    methods, skipped = _methods()
+def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES, options=False):
+    methods, skipped = _methods(options)
     if only:
         methods = {k: f for k, f in methods.items() if k in only}
     for name, why in skipped.items():
@@ -121,50 +140,49 @@ def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES):
 
 
 def sweep(n=8192, d=4096, v=128256):
-    """Time mhc's three passes for each tile shape in a short list (16-bit inputs)."""
+    """Time mhc's passes for each tile shape in a short list (16-bit inputs), the dx pass for two
+    backward workspaces, and each pass with the LM-training extras on."""
     from triton.testing import do_bench
 
     import mhc.kernels.linear_cross_entropy as lce
 
     x, w, t = _inputs(n, d, v)
     x, w = x.detach(), w.detach()
-    lse, _ = lce.lse_forward(x, w, None, t)
+    lse = lce.lse_forward(x, w, None, t)[0]
     scale = torch.full((n,), 1.0 / n, device="cuda")
-    logits_tiles = [(128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (256, 128, 64, 8, 4),
-                    (128, 128, 64, 8, 4)]
-    input_tiles = [(128, 256, 64, 8, 3), (128, 256, 128, 8, 2)]
+
+    def forward(**extras):
+        return do_bench(lambda: lce.lse_forward(x, w, None, t, **extras), rep=300)
+
+    def backward(need_x, need_w, smooth_scale=None, **extras):
+        return do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, scale, smooth_scale,
+                                                  need_x, need_w, False, **extras), rep=300)
+
+    logits_tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4),
+                    (256, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
     default = dict(lce.TILES_16BIT)
     for tiles in logits_tiles:
         lce.TILES_16BIT["lse"] = lce.TILES_16BIT["grad_logits"] = tiles
         try:
-            fwd = do_bench(lambda: lce.lse_forward(x, w, None, t), rep=300)
-            g = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False),
-                         rep=300)
-            print(f"logits tiles {tiles}: lse forward {fwd:.2f} ms, G for all V {g:.2f} ms", flush=True)
+            print(f"logits tiles {tiles}: lse forward {forward():.2f} ms, G for all V "
+                  f"{backward(False, False):.2f} ms", flush=True)
         except Exception as e:
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
     lce.TILES_16BIT.update(default)
-    base = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, False, False), rep=300)
-
-    def dx_pass():
-        return do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, True, False, False),
-                        rep=300) - base
-
-    print(f"dx pass through cuBLAS (fp32 accumulator) "
-          f"{dx_pass() if lce._cublas_accumulates_fp32(x) else float('nan'):.2f} ms", flush=True)
-    uses_cublas = lce._cublas_accumulates_fp32
-    lce._cublas_accumulates_fp32 = lambda x: False
-    for tiles in input_tiles:
-        lce.TILES_16BIT["grad_input"] = tiles
-        try:
-            print(f"grad_input tiles {tiles}: dx pass {dx_pass():.2f} ms", flush=True)
-        except Exception as e:
-            print(f"grad_input tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
-    lce._cublas_accumulates_fp32 = uses_cublas
-    lce.TILES_16BIT.update(default)
-    dw = do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, False, True, False), rep=300)
-    print(f"dW pass (cuBLAS) {dw - base:.2f} ms; floor per pass 2NDV = "
+    base = backward(False, False)
+    workspace = lce.WORKSPACE_BYTES
+    for budget in (0, workspace):
+        lce.WORKSPACE_BYTES = budget
+        chunk = lce.chunk_columns(n, v, x.element_size(), d)
+        print(f"dx pass through cuBLAS (fp32 accumulator), {chunk}-column chunks: "
+              f"{backward(True, False) - backward(False, False):.2f} ms", flush=True)
+    lce.WORKSPACE_BYTES = workspace
+    print(f"dW pass (cuBLAS) {backward(False, True) - base:.2f} ms; floor per pass 2NDV = "
           f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms")
+    extras = dict(softcap=OPTIONS["softcap"])
+    print(f"with soft-cap and smoothing: lse forward {forward(smoothing=True, **extras):.2f} ms, "
+          f"G for all V {backward(False, False, smooth_scale=scale, **extras):.2f} ms "
+          f"(plain {forward():.2f} / {base:.2f} ms)", flush=True)
 
 
 def main(argv=None):
@@ -175,15 +193,17 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=[f"{d}x{v}" for d, v in SHAPES],
                    help="(D, V) pairs written DxV")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (names as printed)")
+    p.add_argument("--options", action="store_true",
+                   help="label smoothing 0.1, z-loss 1e-4, soft-cap 30 for every method")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_loss.py needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.sweep:
-        sweep()
+        sweep(n=args.tokens[0] if args.tokens != TOKENS else 8192)
     else:
         shapes = [tuple(int(a) for a in s.split("x")) for s in args.shapes]
-        run(args.out, args.tokens, args.methods, shapes)
+        run(args.out, args.tokens, args.methods, shapes, args.options)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ compute the same three quantities (log-sum-exp and target logit forward, then pe
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 from torch import nn
 
@@ -17,6 +20,7 @@ from mhc.layer import BACKENDS, FLOAT_DTYPES
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
+DEFAULT_IGNORE_INDEX = -100  # PyTorch's, also where ignore_index=None is passed
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the PyTorch path's [N, chunk] logits buffer stays within this many bytes
 TORCH_CHUNK_BYTES = 64 * 2**20
@@ -68,6 +72,42 @@ def _check_inputs(input, weight, target, bias, reduction, ignore_index, backend)
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _check_number(name: str, value, *, low: float, high: float = math.inf,
+                  low_open: bool = False) -> float:
+    """A finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    above_low = low < value if low_open else low <= value
+    if not (math.isfinite(value) and above_low and value <= high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
+        raise ValueError(f"{name} must be a finite float in {bounds}, got {value}")
+    return value
+
+
+def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square_scale, softcap,
+                        return_z_loss):
+    """Validates the options beyond plain cross-entropy; returns them as floats."""
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor or None, got "
+                            f"{type(class_weight).__name__}")
+        if not class_weight.is_floating_point():
+            raise TypeError(f"weight must be a floating-point tensor, got {class_weight.dtype}")
+        if tuple(class_weight.shape) != (vocab,):
+            raise ValueError(f"weight (class weights) must have shape [V] = [{vocab}], got "
+                             f"{tuple(class_weight.shape)}")
+        if class_weight.device != device:
+            raise ValueError(f"weight is on {class_weight.device}, input on {device}")
+    label_smoothing = _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    lse_square_scale = _check_number("lse_square_scale", lse_square_scale, low=0.0)
+    if softcap is not None:
+        softcap = _check_number("softcap", softcap, low=0.0, low_open=True)
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    return label_smoothing, lse_square_scale, softcap
+
+
 def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     # one reduction and a host sync: PyTorch would index out of bounds (or assert on the device)
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
@@ -117,34 +157,52 @@ def _target_in_chunk(target, c0, c1):
     return inside, torch.where(inside, target - c0, 0)
 
 
-def torch_lse_forward(x, weight, bias, target):
-    """Log-sum-exp of every row's logits and the target's logit (0 for out-of-range targets)."""
+def torch_lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False,
+                      softcap=None):
+    """Per row: log-sum-exp of the (soft-capped) logits, the target's logit (0 for out-of-range
+    targets) and with ``smoothing`` the class-weighted logit sum (None without)."""
     compute = _compute_dtype(x.dtype)
     xc = x.to(compute)
     lse = torch.full((x.shape[0],), float("-inf"), device=x.device, dtype=compute)
     target_logit = torch.zeros(x.shape[0], device=x.device, dtype=compute)
+    smooth_sum = torch.zeros_like(target_logit) if smoothing else None
     for c0, c1 in _torch_chunks(x.shape[0], weight.shape[0], xc.element_size()):
         logits = _chunk_logits(xc, weight, bias, c0, c1)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
         inside, col = _target_in_chunk(target, c0, c1)
         picked = logits.gather(1, col[:, None]).squeeze(1)
         target_logit += torch.where(inside, picked, 0.0)
-    return lse, target_logit
+        if smoothing:
+            weighted = logits if class_weight is None else logits * class_weight[c0:c1]
+            smooth_sum += weighted.sum(dim=1)
+    return lse, target_logit, smooth_sum
 
 
-def torch_grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weight,
-                        need_bias):
-    """Gradients of ``sum_i row_scale[i] * loss_i`` for x, weight and bias (None where not needed)."""
+def torch_grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
+                        need_input, need_weight, need_bias, *, class_weight=None, softcap=None):
+    """Gradients for x, weight and bias (None where not needed); the logits' gradient is
+    ``prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight`` per row."""
     compute = _compute_dtype(x.dtype)
     xc = x.to(compute)
-    scale = row_scale.to(compute)[:, None]
+    prob_scale, target_scale = prob_scale.to(compute)[:, None], target_scale.to(compute)
     grad_x = torch.zeros_like(xc) if need_input else None
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty_like(bias) if need_bias else None
     for c0, c1 in _torch_chunks(x.shape[0], weight.shape[0], xc.element_size()):
-        probs = torch.exp(_chunk_logits(xc, weight, bias, c0, c1) - lse[:, None])
+        logits = _chunk_logits(xc, weight, bias, c0, c1)
+        if softcap is not None:
+            capped = torch.tanh(logits / softcap)
+            logits = softcap * capped
+        g = torch.exp(logits - lse[:, None]).mul_(prob_scale)
         inside, col = _target_in_chunk(target, c0, c1)
-        g = probs.scatter_add_(1, col[:, None], -inside.to(compute)[:, None]).mul_(scale)
+        g.scatter_add_(1, col[:, None], -(inside * target_scale)[:, None])
+        if smooth_scale is not None:
+            smooth = smooth_scale.to(compute)[:, None]
+            g -= smooth if class_weight is None else smooth * class_weight[c0:c1]
+        if softcap is not None:
+            g *= 1.0 - capped * capped
         if need_weight:
             grad_w[c0:c1] = g.t() @ xc
         if need_bias:
@@ -161,39 +219,103 @@ def _passes(backend: str):
     return lce.lse_forward, lce.grad_backward
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """``x [N, D]``, ``weight [V, D]``, ``bias [V] | None``, ``target [N]`` int64 -> loss.
+# The loss from the per-row quantities of the forward pass, and the per-row coefficients of the
+# logits' gradient for the backward (docs/losses.md derives both). Row i, logits z (soft-capped),
+# target y, class weights w (all ones without), smoothing e, z-loss scale k, V classes:
+#
+#   ce_i = (1 - e) w_y (lse - z_y) + (e / V) (sum_c w_c lse - sum_c w_c z_c),   z_i = k lse^2
 
-    Saves the inputs and the ``[N]`` log-sum-exp; the backward recomputes the logits chunk by chunk.
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+
+
+def _target_weights(target, valid, class_weight, dtype):
+    """``w_y`` per row, 0 on ignored rows (1 on the others without class weights)."""
+    if class_weight is None:
+        return valid.to(dtype)
+    return torch.where(valid, class_weight[torch.where(valid, target, 0)], 0.0)
+
+
+def _divisors(reduction, target_weight, valid):
+    """What ``mean`` divides the cross-entropy and the z-loss sums by: the summed target weights
+    and the number of non-ignored rows (1 where either is 0: the loss is then the sum, 0 when
+    every target is ignored). 1 and 1 for the other reductions."""
+    if reduction != "mean":
+        return 1.0, 1.0
+    weight_sum = target_weight.sum()
+    return torch.where(weight_sum == 0, 1.0, weight_sum), valid.sum().clamp(min=1)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """``x [N, D]``, ``weight [V, D]``, ``bias [V] | None``, ``target [N]`` int64, class weights
+    ``[V] | None`` (compute dtype) -> (loss, z-loss), both reduced as ``options.reduction``.
+
+    Saves the inputs and ``[N]`` per-row scalars; the backward recomputes the logits chunk by
+    chunk.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, reduction, ignore_index, backend):
+    def forward(ctx, x, weight, bias, target, class_weight, options, backend):
         lse_forward, _ = _passes(backend)
-        lse, target_logit = lse_forward(x, weight, bias, target)
-        valid = target != ignore_index
-        losses = torch.where(valid, lse - target_logit, 0.0)
-        if reduction == "none":
-            loss = losses
-        elif reduction == "sum":
-            loss = losses.sum()
-        else:  # an all-ignored batch gives 0 (PyTorch: NaN)
-            loss = losses.sum() / valid.sum().clamp(min=1)
-        ctx.save_for_backward(x, weight, bias, target, lse, valid)
-        ctx.reduction = reduction
-        ctx.backend = backend
-        return loss.to(x.dtype)
+        smoothing = options.label_smoothing > 0
+        lse, target_logit, smooth_sum = lse_forward(
+            x, weight, bias, target, class_weight=class_weight, smoothing=smoothing,
+            softcap=options.softcap)
+        valid = target != options.ignore_index
+        target_weight = _target_weights(target, valid, class_weight, lse.dtype)
+        ce = target_weight * (lse - target_logit)
+        if smoothing:
+            e, vocab = options.label_smoothing, weight.shape[0]
+            total_weight = vocab if class_weight is None else class_weight.sum()
+            ce = (1 - e) * ce + (e / vocab) * (total_weight * lse - smooth_sum)
+        ce = torch.where(valid, ce, 0.0)
+        z = torch.where(valid, options.lse_square_scale * lse.square(), 0.0)
+        ce_div, z_div = _divisors(options.reduction, target_weight, valid)
+        if options.reduction == "none":
+            loss, z_loss = ce + z, z
+        else:
+            z_loss = z.sum() / z_div
+            loss = ce.sum() / ce_div + z_loss
+        ctx.save_for_backward(x, weight, bias, target, class_weight, lse, target_weight, valid)
+        ctx.options, ctx.backend = options, backend
+        ctx.set_materialize_grads(False)
+        return loss.to(x.dtype), z_loss.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        x, weight, bias, target, lse, valid = ctx.saved_tensors
-        scale = grad_loss.to(lse.dtype) * valid
-        if ctx.reduction == "mean":
-            scale = scale / valid.sum().clamp(min=1)
-        _, grad_backward = _passes(ctx.backend)
+    def backward(ctx, grad_loss, grad_z_loss):
+        x, weight, bias, target, class_weight, lse, target_weight, valid = ctx.saved_tensors
+        options = ctx.options
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_loss is None and grad_z_loss is None:
+            return None, None, None, None, None, None, None
+        zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
+        grad_loss = zero if grad_loss is None else grad_loss.to(lse.dtype)
+        grad_z_loss = zero if grad_z_loss is None else grad_z_loss.to(lse.dtype)
+        # upstream gradient of each row's ce_i and z_i (the loss holds both)
+        ce_div, z_div = _divisors(options.reduction, target_weight, valid)
+        grad_ce = grad_loss / ce_div * valid
+        grad_z = (grad_loss + grad_z_loss) / z_div * valid
+        e, vocab = options.label_smoothing, weight.shape[0]
+        target_scale = grad_ce * (1 - e) * target_weight
+        prob_scale = target_scale
+        smooth_scale = None
+        if e > 0:
+            total_weight = vocab if class_weight is None else class_weight.sum()
+            prob_scale = prob_scale + grad_ce * (e / vocab) * total_weight
+            smooth_scale = grad_ce * (e / vocab)
+        if options.lse_square_scale > 0:
+            prob_scale = prob_scale + grad_z * (2 * options.lse_square_scale) * lse
+        _, grad_backward = _passes(ctx.backend)
         grad_x, grad_w, grad_b = grad_backward(
-            x, weight, bias, target, lse, scale, need_x, need_w, need_b and bias is not None
+            x, weight, bias, target, lse, prob_scale.contiguous(), target_scale.contiguous(),
+            smooth_scale, need_x, need_w, need_b and bias is not None,
+            class_weight=class_weight, softcap=options.softcap,
         )
         return grad_x, grad_w, grad_b, None, None, None, None
 
@@ -206,9 +328,9 @@ def _autocast(device_type, *tensors):
 
 
 @torch.compiler.disable
-def _apply(x, weight, bias, target, reduction, ignore_index, backend):
+def _apply(x, weight, bias, target, class_weight, options, backend):
     # host-side chunk loops and a host sync: torch.compile runs this op eagerly (a graph break)
-    return LinearCrossEntropyFunction.apply(x, weight, bias, target, reduction, ignore_index,
+    return LinearCrossEntropyFunction.apply(x, weight, bias, target, class_weight, options,
                                             backend)
 
 
@@ -218,13 +340,19 @@ def linear_cross_entropy(
     target: torch.Tensor,
     *,
     linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target)`` without the logits.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight=weight,
+    label_smoothing=label_smoothing)`` without the logits, plus a z-loss and logit soft-capping.
 
-    Memory beyond the inputs and gradients is ``O(N)`` in the forward (the log-sum-exp) and a
+    Memory beyond the inputs and gradients is ``O(N)`` in the forward (per-row scalars) and a
     bounded ``[N, chunk]`` block plus an fp32 ``[N, D]`` input-gradient accumulator in the
     backward; the ``[N, V]`` logits never exist. Deterministic: bit-identical results run to run.
 
@@ -234,34 +362,55 @@ def linear_cross_entropy(
         target: ``[...]`` (``input.shape[:-1]``) integer class indices in ``[0, V)`` or
             ``ignore_index``.
         linear_bias: ``[V]`` or None.
-        reduction: ``"mean"`` (over non-ignored targets), ``"sum"`` or ``"none"`` (shape
-            ``target.shape``).
-        ignore_index: targets equal to it contribute neither loss nor gradient. A ``"mean"``
-            over a batch in which every target is ignored is 0 with zero gradients (PyTorch
-            returns NaN).
+        weight: ``[V]`` class weights (any floating dtype, used in fp32; fp64 for fp64 input) or
+            None, as ``F.cross_entropy``'s ``weight``: row i's loss is scaled by
+            ``weight[target_i]`` and ``mean`` divides by the summed weights of the non-ignored
+            targets; label smoothing weights class c's term by ``weight[c]``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (shape ``target.shape``).
+        ignore_index: targets equal to it contribute neither loss nor gradient; None means
+            -100, as in PyTorch. A ``"mean"`` whose divisor is 0 (every target ignored, or all
+            their weights 0) is the sum: 0 with zero gradients when every target is ignored
+            (PyTorch returns NaN).
+        label_smoothing: in ``[0, 1]``, PyTorch's definition: the target distribution is
+            ``(1 - label_smoothing) onehot + label_smoothing / V``.
+        lse_square_scale: z-loss coefficient (PaLM): adds ``lse_square_scale * logsumexp(z)^2``
+            per non-ignored row, reduced like the loss but never class-weighted (``mean``
+            divides it by the number of non-ignored rows). 0 (default) adds nothing.
+        softcap: None, or a positive float: the logits become ``softcap * tanh(z / softcap)``
+            before the softmax (Gemma 2). Applies to every term above.
+        return_z_loss: also return the z-loss term (already included in the loss) for logging;
+            it is differentiable.
         backend: ``"auto"`` (Triton for fp16/bf16/fp32 CUDA tensors, PyTorch otherwise),
             ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"`` (chunked,
             any device; fp32 arithmetic, fp64 for fp64).
 
     Returns:
-        The loss in the input's dtype: a scalar, or ``target.shape`` for ``"none"``. Arithmetic
-        is fp32 (softmax, ``softmax - 1``, and the accumulation of both gradients) whatever
-        the input dtype; under autocast, input, weight and bias are cast to the autocast dtype
-        as ``F.linear`` would.
+        The loss in the input's dtype: a scalar, or ``target.shape`` for ``"none"``; with
+        ``return_z_loss`` a pair ``(loss, z_loss)`` of that shape. Arithmetic is fp32 (softmax,
+        its gradient and the accumulation of both gradients) whatever the input dtype; under
+        autocast, input, weight and bias are cast to the autocast dtype as ``F.linear`` would.
     """
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
     if torch.is_autocast_enabled(device_type):
         input, linear_weight, linear_bias = _autocast(device_type, input, linear_weight, linear_bias)
+    if ignore_index is None:
+        ignore_index = DEFAULT_IGNORE_INDEX
     _check_inputs(input, linear_weight, target, linear_bias, reduction, ignore_index, backend)
-    backend = _resolve_backend(input, backend)
     vocab, dim = linear_weight.shape
+    label_smoothing, lse_square_scale, softcap = _check_loss_options(
+        weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss)
+    backend = _resolve_backend(input, backend)
     _check_targets(target, vocab, ignore_index)
     x = input.reshape(-1, dim).contiguous()
     t = target.reshape(-1).long()
+    class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()
+    options = LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
     with torch.autocast(device_type=device_type, enabled=False):
-        loss = _apply(x, linear_weight.contiguous(), linear_bias, t, reduction, ignore_index,
-                      backend)
-    return loss.view(target.shape) if reduction == "none" else loss
+        loss, z_loss = _apply(x, linear_weight.contiguous(), linear_bias, t, class_weight, options,
+                              backend)
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    return (loss, z_loss) if return_z_loss else loss
 
 
 class LinearCrossEntropy(nn.Module):
@@ -269,12 +418,16 @@ class LinearCrossEntropy(nn.Module):
 
     Owns the projection as an ``nn.Linear(in_features, num_classes, bias=bias)`` at ``.linear``
     (so a language model can use it as its head; ``.linear.weight`` can be tied to an
-    embedding); the loss is :func:`linear_cross_entropy` of it.
+    embedding); the loss is :func:`linear_cross_entropy` of it with the options given here.
+    ``weight`` (class weights ``[num_classes]``) is kept as a buffer, as in
+    ``nn.CrossEntropyLoss``. ``forward`` returns ``(loss, z_loss)`` with ``return_z_loss``.
     """
 
     def __init__(self, in_features: int, num_classes: int, *, bias: bool = False,
-                 reduction: str = "mean", ignore_index: int = -100, backend: str = "auto",
-                 device=None, dtype=None):
+                 weight: torch.Tensor | None = None, reduction: str = "mean",
+                 ignore_index: int = DEFAULT_IGNORE_INDEX, label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -282,17 +435,30 @@ class LinearCrossEntropy(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        self.label_smoothing, self.lse_square_scale, self.softcap = _check_loss_options(
+            weight, num_classes, weight.device if weight is not None else None, label_smoothing,
+            lse_square_scale, softcap, return_z_loss)
         self.linear = nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("weight", weight)
         self.reduction = reduction
         self.ignore_index = ignore_index
+        self.return_z_loss = return_z_loss
         self.backend = backend
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
         return linear_cross_entropy(
-            input, self.linear.weight, target, linear_bias=self.linear.bias,
-            reduction=self.reduction, ignore_index=self.ignore_index, backend=self.backend,
+            input, self.linear.weight, target, linear_bias=self.linear.bias, weight=self.weight,
+            reduction=self.reduction, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, return_z_loss=self.return_z_loss, backend=self.backend,
         )
 
     def extra_repr(self) -> str:
-        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-                f"backend={self.backend!r}")
+        extras = [f"reduction={self.reduction!r}", f"ignore_index={self.ignore_index}"]
+        if self.label_smoothing:
+            extras.append(f"label_smoothing={self.label_smoothing}")
+        if self.lse_square_scale:
+            extras.append(f"lse_square_scale={self.lse_square_scale}")
+        if self.softcap is not None:
+            extras.append(f"softcap={self.softcap}")
+        return ", ".join(extras + [f"backend={self.backend!r}"])

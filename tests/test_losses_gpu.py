@@ -95,6 +95,7 @@ def test_many_chunks_match_one(monkeypatch):
     one = _loss_and_grads(_ours, x, w, b, t, grad_out, "mean")
     monkeypatch.setattr(lce, "MIN_CHUNK", 1000)
     monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(lce, "WORKSPACE_BYTES", 0)
     many = _loss_and_grads(_ours, x, w, b, t, grad_out, "mean")
     for a, c in zip(one, many):
         assert _rel(a, c.double()) < 1e-5  # dx sums the chunks in another order
@@ -109,3 +110,63 @@ def test_triton_input_gradient_matches_cublas(monkeypatch):
     triton_dx = _loss_and_grads(_ours, x, w, b, t, grad_out, "mean")
     assert _rel(triton_dx[1], default[1].double()) < 4e-3  # bf16 roundings of equal fp32 sums
     assert torch.equal(triton_dx[2], default[2])
+
+
+OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
+
+
+def _class_weights(v, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.rand(v, device="cuda", generator=g) + 0.25
+
+
+def _torch_options(class_weight):
+    """PyTorch's own arithmetic in the input dtype (logits and soft-cap), CE and z-loss in fp32."""
+
+    def fn(x, w, b, t, reduction):
+        logits = F.linear(x, w, b)
+        logits = OPTIONS["softcap"] * torch.tanh(logits / OPTIONS["softcap"])
+        logits = logits.float() if x.dtype != torch.float64 else logits
+        ce = F.cross_entropy(logits, t, weight=class_weight.to(logits.dtype), reduction=reduction,
+                             label_smoothing=OPTIONS["label_smoothing"])
+        valid = t != -100
+        z = OPTIONS["lse_square_scale"] * torch.logsumexp(logits, dim=1).square() * valid
+        z = z if reduction == "none" else z.sum() / valid.sum()
+        return (ce + z).to(x.dtype)
+
+    return fn
+
+
+def _ours_options(class_weight):
+    def fn(x, w, b, t, reduction):
+        return linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction,
+                                    weight=class_weight, **OPTIONS)
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_options_three_way_rule(dtype, nan_poison):
+    """Class weights, label smoothing, z-loss and soft-cap together, full-size vocabulary."""
+    x, w, b, t = _make(1000, 384, 20011, dtype, bias=True, ignore_every=7)
+    x = 8 * x  # logits of tens: the soft-cap at 30 bends them
+    cw = _class_weights(20011)
+    grad_out = torch.rand(1000, device="cuda", dtype=torch.float64) + 0.5
+    want = _loss_and_grads(_torch_options(cw), x.double(), w.double(), b.double(), t, grad_out,
+                           "none")
+    ours = _loss_and_grads(_ours_options(cw), x, w, b, t, grad_out, "none")
+    theirs = _loss_and_grads(_torch_options(cw), x, w, b, t, grad_out, "none")
+    floor = {torch.float32: 5e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for name, a, p, r in zip(["loss", "dx", "dw", "db"], ours, theirs, want):
+        assert a.dtype == dtype
+        assert _rel(a, r) <= 2 * _rel(p, r) + floor, (name, _rel(a, r), _rel(p, r))
+
+
+def test_options_deterministic_bitwise():
+    x, w, b, t = _make(3000, 512, 40000, torch.bfloat16, bias=True, ignore_every=5)
+    fn = _ours_options(_class_weights(40000))
+    grad_out = torch.tensor(1.3, device="cuda", dtype=torch.float64)
+    first = _loss_and_grads(fn, x, w, b, t, grad_out, "mean")
+    again = _loss_and_grads(fn, x, w, b, t, grad_out, "mean")
+    for a, c in zip(first, again):
+        assert torch.equal(a, c)

@@ -5,11 +5,14 @@ Three passes, each a matrix product whose tiles live only on chip (``docs/losses
 
 - forward, :func:`lse_forward`: logit tiles ``[BLOCK_N, BLOCK_V]`` reduced by an online
   log-sum-exp; each program walks a range of vocabulary blocks for its rows and writes a
-  partial ``(max, sum, target logit)``; the partials are combined in fp32.
+  partial ``(max, sum, target logit[, class-weighted logit sum])``; the partials are combined
+  in fp32.
 - backward, :func:`grad_backward`, one vocabulary chunk ``[c0, c1)`` at a time:
   1. :func:`grad_logits_kernel` recomputes the chunk's logits and writes
-     ``G = (softmax - onehot) * row_scale`` (fp32 arithmetic, stored in the input dtype) into a
-     ``[N, c1 - c0]`` buffer, the only large temporary;
+     ``G = prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight``
+     (per-row coefficients; times the soft-cap's derivative where there is one; fp32
+     arithmetic, stored in the input dtype) into a ``[N, c1 - c0]`` buffer, the only large
+     temporary;
   2. ``dW[c0:c1] = G^T x``: one cuBLAS product over all N tokens, fp32 accumulation, written once;
   3. :func:`grad_input_kernel`: ``dx += G W[c0:c1]`` into an fp32 ``[N, D]`` accumulator.
 
@@ -30,8 +33,12 @@ try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy e
 except ImportError:
     TensorDescriptor = None
 
-# The [N, chunk] gradient buffer of the backward: at most this many bytes, but at least
-# MIN_CHUNK vocabulary columns (fewer chunks means fewer passes over the fp32 dx accumulator).
+# The backward's workspace is the [N, chunk] gradient buffer plus the fp32 [N, D] dx accumulator.
+# Every chunk reads and writes the accumulator once, so wider chunks mean less traffic: the
+# buffer may grow to the accumulator's size within WORKSPACE_BYTES for both (which leaves room
+# for the per-row vectors under 256 MiB at N = 8192, D = 4096), but is always allowed CHUNK_BYTES
+# and at least MIN_CHUNK vocabulary columns.
+WORKSPACE_BYTES = 240 * 2**20
 CHUNK_BYTES = 64 * 2**20
 MIN_CHUNK = 4096
 # forward programs per multiprocessor (each walks a range of vocabulary blocks)
@@ -47,6 +54,18 @@ def _grouped_tile(pid, n_row_blocks, n_col_blocks, GROUP: tl.constexpr):
     group_rows = tl.minimum(n_row_blocks - first_row, GROUP)
     in_group = pid % per_group
     return first_row + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
+def _tanh(u):
+    """tanh from ``exp`` (libdevice's tanh does not run in Triton's interpreter): the odd Taylor
+    series where ``1 - exp(-2|u|)`` would cancel, relative error below 1e-6 everywhere."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    far = (1.0 - e) / (1.0 + e)
+    u2 = u * u
+    near = tl.abs(u) * (1.0 - u2 * (1.0 / 3.0 - u2 * (2.0 / 15.0)))
+    magnitude = tl.where(tl.abs(u) < 0.05, near, far)
+    return tl.where(u < 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -92,13 +111,16 @@ def _logits_tile(
 
 @triton.jit
 def lse_partials_kernel(
-    x_src, w_src, b_ptr, t_ptr, max_ptr, sum_ptr, target_logit_ptr,
-    N, V, D, stride_x, stride_w, blocks_per_split, n_splits,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_src, w_src, b_ptr, t_ptr, cw_ptr, max_ptr, sum_ptr, target_logit_ptr, smooth_ptr,
+    N, V, D, stride_x, stride_w, blocks_per_split, n_splits, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Per (row block, vocabulary range): running max, sum of exp and the target's logit."""
+    """Per (row block, vocabulary range): running max, sum of exp and the target's logit, and
+    with ``SMOOTH`` the class-weighted sum of the logits (label smoothing's term). Logits are
+    soft-capped first with ``SOFTCAP``: ``softcap * tanh(logits / softcap)``."""
     row_block, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -106,6 +128,7 @@ def lse_partials_kernel(
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    smooth_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(V, BLOCK_V))
     for vb in range(first, last):
@@ -116,6 +139,14 @@ def lse_partials_kernel(
                               UPCAST, TMA)
         if HAS_BIAS:
             logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            logits = softcap * _tanh(logits / softcap)
+        if SMOOTH:
+            if HAS_CLASS_WEIGHT:
+                class_weight = tl.load(cw_ptr + cols, mask=col_ok, other=0.0)
+                smooth_sum += tl.sum(logits * class_weight[None, :], axis=1)
+            else:
+                smooth_sum += tl.sum(tl.where(col_ok[None, :], logits, 0.0), axis=1)
         logits = tl.where(col_ok[None, :], logits, float("-inf"))
         # every block holds at least one real column, so new_max is finite
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
@@ -128,17 +159,22 @@ def lse_partials_kernel(
     tl.store(max_ptr + out, run_max, mask=row_ok)
     tl.store(sum_ptr + out, run_sum, mask=row_ok)
     tl.store(target_logit_ptr + out, target_logit, mask=row_ok)
+    if SMOOTH:
+        tl.store(smooth_ptr + out, smooth_sum, mask=row_ok)
 
 
 @triton.jit
 def grad_logits_kernel(
-    x_src, w_src, b_ptr, t_ptr, lse_ptr, scale_ptr, g_ptr,
-    N, D, col_start, col_end, stride_x, stride_w, stride_g,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_src, w_src, b_ptr, t_ptr, cw_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    smooth_scale_ptr, g_ptr, N, D, col_start, col_end, stride_x, stride_w, stride_g, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    """``G[:, c - col_start] = (softmax(logits)[:, c] - [c == target]) * scale`` for one chunk."""
+    """One chunk of the logits' gradient, columns ``[col_start, col_end)``:
+    ``G = prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight``, times
+    ``1 - tanh^2`` of the soft-cap with ``SOFTCAP`` (the coefficients are per row)."""
     row_block, col_block = _grouped_tile(
         tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(col_end - col_start, BLOCK_V), GROUP)
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,11 +186,25 @@ def grad_logits_kernel(
                           BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST, TMA)
     if HAS_BIAS:
         logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        capped = _tanh(logits / softcap)
+        logits = softcap * capped
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    prob_scale = tl.load(prob_scale_ptr + rows, mask=row_ok, other=0.0)
+    target_scale = tl.load(target_scale_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
     is_target = cols[None, :] == target[:, None]
-    grad = (tl.exp(logits - lse[:, None]) - tl.where(is_target, 1.0, 0.0)) * scale[:, None]
+    grad = (tl.exp(logits - lse[:, None]) * prob_scale[:, None]
+            - tl.where(is_target, target_scale[:, None], 0.0))
+    if SMOOTH:
+        smooth_scale = tl.load(smooth_scale_ptr + rows, mask=row_ok, other=0.0)
+        if HAS_CLASS_WEIGHT:
+            class_weight = tl.load(cw_ptr + cols, mask=col_ok, other=0.0)
+            grad -= smooth_scale[:, None] * class_weight[None, :]
+        else:
+            grad -= smooth_scale[:, None]
+    if SOFTCAP:
+        grad *= 1.0 - capped * capped
     g_ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_g + (cols - col_start)[None, :]
     tl.store(g_ptrs, grad.to(g_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -244,10 +294,12 @@ GROUP = 8
 USE_TMA = True  # 11-13% faster than pointer loads on an H100 (docs/losses.md); False: pointers
 
 
-def lse_forward(x, weight, bias, target):
-    """Log-sum-exp of every row's logits and the target's logit: two fp32 ``[N]`` tensors.
+def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, softcap=None):
+    """Per row: log-sum-exp of the (soft-capped) logits, the target's logit (0 for targets outside
+    ``[0, V)``: ignored rows), and with ``smoothing`` the class-weighted sum of the logits
+    ``sum_c class_weight[c] * logits[c]`` (None without): fp32 ``[N]`` tensors.
 
-    Rows whose target is outside ``[0, V)`` (ignored rows) get a target logit of 0.
+    ``class_weight``: fp32 ``[V]`` or None (all ones); ``softcap``: a positive float or None.
     """
     N, D = x.shape
     V = weight.shape[0]
@@ -258,22 +310,25 @@ def lse_forward(x, weight, bias, target):
     n_splits = min(vocab_blocks, max(1, triton.cdiv(programs, max(1, row_blocks))))
     blocks_per_split = triton.cdiv(vocab_blocks, n_splits)
     n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split
-    partial = torch.empty(3, N, n_splits, device=x.device, dtype=torch.float32)
+    partial = torch.empty(4 if smoothing else 3, N, n_splits, device=x.device,
+                          dtype=torch.float32)
     if N > 0:
         x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
         lse_partials_kernel[(row_blocks * n_splits,)](
             x_src, w_src, bias if bias is not None else x, target,
-            partial[0], partial[1], partial[2],
-            N, V, D, x.stride(0), weight.stride(0), blocks_per_split, n_splits,
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-            GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
-            TMA=tma,
-            num_warps=warps, num_stages=stages,
+            class_weight if class_weight is not None else partial, partial[0], partial[1],
+            partial[2], partial[-1], N, V, D, x.stride(0), weight.stride(0), blocks_per_split,
+            n_splits, float(softcap or 1.0),
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTH=smoothing,
+            HAS_CLASS_WEIGHT=class_weight is not None, BLOCK_N=block_n, BLOCK_V=block_v,
+            BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=_precision(x.dtype),
+            UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
         )
-    run_max, run_sum, target_logit = partial
+    run_max, run_sum, target_logit = partial[:3]
     row_max = run_max.amax(dim=1)
     lse = row_max + torch.log((run_sum * torch.exp(run_max - row_max[:, None])).sum(dim=1))
-    return lse, target_logit.sum(dim=1)
+    smooth_sum = partial[3].sum(dim=1) if smoothing else None
+    return lse, target_logit.sum(dim=1), smooth_sum
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,22 +349,35 @@ def _cublas_accumulates_fp32(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype != torch.float32 and _cublas_fp32_accumulation(x.device, x.dtype)
 
 
-def chunk_columns(n_rows: int, vocab: int, element_size: int) -> int:
-    """Vocabulary columns per backward chunk: the ``[n_rows, chunk]`` buffer within CHUNK_BYTES,
-    at least MIN_CHUNK, at most the vocabulary."""
-    fit = CHUNK_BYTES // max(1, n_rows * element_size)
+def chunk_columns(n_rows: int, vocab: int, element_size: int, dim: int) -> int:
+    """Vocabulary columns per backward chunk: the ``[n_rows, chunk]`` buffer no larger than the
+    fp32 ``[n_rows, dim]`` accumulator nor than what it leaves of WORKSPACE_BYTES, but always
+    allowed CHUNK_BYTES; at least MIN_CHUNK columns, at most the vocabulary."""
+    accumulator = n_rows * dim * 4
+    buffer_bytes = max(CHUNK_BYTES, min(accumulator, WORKSPACE_BYTES - accumulator))
+    fit = buffer_bytes // max(1, n_rows * element_size)
     return max(1, min(vocab, max(MIN_CHUNK, fit)))
 
 
-def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weight, need_bias):
-    """Gradients of ``sum_i row_scale[i] * loss_i`` for x, weight and bias (None where not needed).
+def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
+                  need_input, need_weight, need_bias, *, class_weight=None, softcap=None):
+    """Gradients for x, weight and bias (None where not needed) of a loss whose gradient with
+    respect to the (soft-capped) logits ``z`` of row i is
 
-    ``row_scale`` [N] fp32 is 0 on ignored rows. Its largest magnitude is factored out of ``G``
-    (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues.
+        prob_scale[i] * softmax(z)[c] - target_scale[i] * [c == target[i]]
+            - smooth_scale[i] * class_weight[c]
+
+    (``mhc.losses`` derives the coefficients; ``smooth_scale`` None: no such term). The three
+    fp32 ``[N]`` coefficients are 0 on ignored rows. Their largest combined magnitude is factored
+    out of ``G`` (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues.
     """
     N, D = x.shape
     V = weight.shape[0]
-    scale_max = row_scale.abs().max().item() if N > 0 else 0.0
+    bound = prob_scale.abs() + target_scale.abs()
+    if smooth_scale is not None:
+        class_max = class_weight.abs().max() if class_weight is not None else 1.0
+        bound = bound + smooth_scale.abs() * class_max
+    scale_max = bound.max().item() if N > 0 else 0.0
     grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty_like(bias) if need_bias else None
@@ -318,12 +386,14 @@ def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weig
             if g is not None:
                 g.zero_()
         return (grad_x.to(x.dtype) if need_input else None), grad_w, grad_b
-    unit_scale = row_scale / scale_max
+    prob_scale, target_scale = prob_scale / scale_max, target_scale / scale_max
+    smoothing = smooth_scale is not None
+    smooth_scale = smooth_scale / scale_max if smoothing else prob_scale
     tiles = _tiles(x)
     block_n, block_v, block_d, warps, stages = tiles["grad_logits"]
     in_n, in_d, in_k, in_warps, in_stages = tiles["grad_input"]
     precision = _precision(x.dtype)
-    chunk = chunk_columns(N, V, x.element_size())
+    chunk = chunk_columns(N, V, x.element_size(), D)
     grads = torch.empty(N, chunk, device=x.device, dtype=x.dtype)
     x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
     for c0 in range(0, V, chunk):
@@ -331,11 +401,14 @@ def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weig
         g = grads[:, : c1 - c0]
         grid = (triton.cdiv(N, block_n) * triton.cdiv(c1 - c0, block_v),)
         grad_logits_kernel[grid](
-            x_src, w_src, bias if bias is not None else x, target, lse, unit_scale, g,
-            N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-            GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision, UPCAST=_upcast(x),
-            TMA=tma, num_warps=warps, num_stages=stages,
+            x_src, w_src, bias if bias is not None else x, target,
+            class_weight if class_weight is not None else lse, lse, prob_scale, target_scale,
+            smooth_scale, g, N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0),
+            float(softcap or 1.0),
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTH=smoothing,
+            HAS_CLASS_WEIGHT=class_weight is not None, BLOCK_N=block_n, BLOCK_V=block_v,
+            BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision,
+            UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
         )
         if need_weight:
             # one product over all N: fp32 accumulation inside, dW rows written once
@@ -351,6 +424,7 @@ def grad_backward(x, weight, bias, target, lse, row_scale, need_input, need_weig
                 grad_x.stride(0), BLOCK_N=in_n, BLOCK_D=in_d, BLOCK_K=in_k, GROUP=GROUP,
                 PRECISION=precision, UPCAST=_upcast(x), num_warps=in_warps, num_stages=in_stages,
             )
+    del grads, g  # before the cast below allocates dx
     if need_input:
         grad_x = grad_x.mul_(scale_max).to(x.dtype)
     return grad_x, grad_w, grad_b
