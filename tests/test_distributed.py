@@ -13,8 +13,6 @@ step, and a bound tighter than a fraction of a step would test that noise.
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from mhc.mixing import HyperConnection
 from tests import distributed_worker as worker
+from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +31,7 @@ def distributed_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # CPU tensors take the PyTorch path; no kernels run here
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests/distributed_worker.py"), str(out)]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun([ROOT / "tests/distributed_worker.py", out], env=env, cwd=ROOT, timeout=600)
     return out
 
 

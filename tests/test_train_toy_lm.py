@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mhc.mixing import amax_gain, collect_h_res
+from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_toy_lm.py"
@@ -145,9 +146,8 @@ def test_two_processes_equal_one(tmp_path, engine):
     near zero (b_pre) it turns rounding differences of the reduction into visible updates."""
     args = ["--residual", "mhc", "--steps", "3", "--eval-every", "3", "--log-every", "1"] + TINY
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
     flags = ["--fsdp"] if engine == "fsdp" else []
-    subprocess.run(launch + args + flags + ["--out-dir", str(tmp_path / engine)], check=True, env=env, cwd=ROOT, timeout=300)
+    torchrun([SCRIPT] + args + flags + ["--out-dir", tmp_path / engine], env=env, cwd=ROOT, timeout=300)
     subprocess.run([sys.executable, str(SCRIPT)] + args + ["--out-dir", str(tmp_path / "single")], check=True,
                    env=env, cwd=ROOT, timeout=300)
     params, single_params = final_params(tmp_path / engine / "mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
@@ -166,10 +166,9 @@ def test_fsdp_resume_equals_single_process_resume(tmp_path):
     FSDP2 to the same parameters as the same sequence run in one process (tolerance as above)."""
     common = ["--residual", "mhc", "--eval-every", "2", "--checkpoint-every", "2"] + TINY
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), "--fsdp"]
     for steps, resume in (("2", []), ("4", ["--resume"])):
         args = common + ["--steps", steps] + resume
-        subprocess.run(launch + args + ["--out-dir", str(tmp_path / "fsdp")], check=True, env=env, cwd=ROOT, timeout=300)
+        torchrun([SCRIPT, "--fsdp"] + args + ["--out-dir", tmp_path / "fsdp"], env=env, cwd=ROOT, timeout=300)
         toy.main(args + ["--out-dir", str(tmp_path / "single")])
     params, single_params = final_params(tmp_path / "fsdp/mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
     for key in single_params:
