@@ -140,8 +140,8 @@ def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES, options=False):
 
 
 def sweep(n=8192, d=4096, v=128256):
-    """Time mhc's passes for each tile shape in a short list (16-bit inputs), the dx pass for two
-    backward workspaces, and each pass with the LM-training extras on."""
+    """Time mhc's passes for each tile shape in a short list (16-bit inputs), and the two logits
+    passes with the soft-cap and label smoothing on."""
     from triton.testing import do_bench
 
     import mhc.kernels.linear_cross_entropy as lce
@@ -170,19 +170,16 @@ def sweep(n=8192, d=4096, v=128256):
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
     lce.TILES_16BIT.update(default)
     base = backward(False, False)
-    workspace = lce.WORKSPACE_BYTES
-    for budget in (0, workspace):
-        lce.WORKSPACE_BYTES = budget
-        chunk = lce.chunk_columns(n, v, x.element_size(), d)
-        print(f"dx pass through cuBLAS (fp32 accumulator), {chunk}-column chunks: "
-              f"{backward(True, False) - backward(False, False):.2f} ms", flush=True)
-    lce.WORKSPACE_BYTES = workspace
-    print(f"dW pass (cuBLAS) {backward(False, True) - base:.2f} ms; floor per pass 2NDV = "
-          f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms")
-    extras = dict(softcap=OPTIONS["softcap"])
-    print(f"with soft-cap and smoothing: lse forward {forward(smoothing=True, **extras):.2f} ms, "
-          f"G for all V {backward(False, False, smooth_scale=scale, **extras):.2f} ms "
-          f"(plain {forward():.2f} / {base:.2f} ms)", flush=True)
+    print(f"dx pass through cuBLAS (fp32 accumulator) {backward(True, False) - base:.2f} ms; "
+          f"dW pass (cuBLAS) {backward(False, True) - base:.2f} ms; floor per pass 2NDV = "
+          f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms", flush=True)
+    softcap = dict(softcap=OPTIONS["softcap"])
+    for name, fwd, bwd in [("plain", {}, {}), ("soft-cap", softcap, softcap),
+                           ("smoothing", dict(smoothing=True), dict(smooth_scale=scale)),
+                           ("both", dict(smoothing=True, **softcap),
+                            dict(smooth_scale=scale, **softcap))]:
+        print(f"{name}: lse forward {forward(**fwd):.2f} ms, G for all V "
+              f"{backward(False, False, **bwd):.2f} ms", flush=True)
 
 
 def main(argv=None):

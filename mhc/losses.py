@@ -1,10 +1,14 @@
 """Fused linear + cross-entropy: ``cross_entropy(input @ W^T + b, target)`` without the ``[N, V]``
 logits, as the functional :func:`linear_cross_entropy` and the module :class:`LinearCrossEntropy`.
 
-Read top to bottom: input checks -> PyTorch chunked path -> autograd Function (either path) ->
-functional -> module. The Triton kernels are in ``mhc.kernels.linear_cross_entropy``; both paths
-compute the same three quantities (log-sum-exp and target logit forward, then per vocabulary chunk
-``G = softmax - onehot`` and its two products backward), see ``docs/losses.md``.
+With PyTorch's class weights and label smoothing, and a z-loss and logit soft-capping.
+
+Read top to bottom: input checks -> PyTorch chunked path -> loss terms and autograd Function
+(either path) -> functional -> module. The Triton kernels are in
+``mhc.kernels.linear_cross_entropy``; both paths compute the same quantities (per-row log-sum-exp,
+target logit and weighted logit sum forward, then per vocabulary chunk
+``G = P softmax - T onehot - S weight`` with per-row coefficients and its two products backward),
+see ``docs/losses.md``.
 """
 
 from __future__ import annotations

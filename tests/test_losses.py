@@ -169,7 +169,6 @@ def test_many_vocabulary_chunks_match_one(backend, monkeypatch):
     one = run(ours(backend), x, w, b, t, g, "none")
     monkeypatch.setattr(lce, "MIN_CHUNK", 40)  # 4 chunks, the last one partial
     monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(lce, "WORKSPACE_BYTES", 0)
     monkeypatch.setattr(mhc.losses, "TORCH_CHUNK_BYTES", 33 * 4 * 40)
     many = run(ours(backend), x, w, b, t, g, "none")
     for a, c in zip(one, many):
@@ -177,13 +176,10 @@ def test_many_vocabulary_chunks_match_one(backend, monkeypatch):
 
 
 def test_chunk_width_bounds_the_buffer():
-    # N = 8192, D = 4096: the fp32 accumulator takes 128 MiB, the bf16 buffer the 112 MiB left
-    assert lce.chunk_columns(8192, 128256, 2, 4096) == 7168
-    assert lce.chunk_columns(4096, 128256, 2, 4096) == 8192  # 64 MiB: no larger than the accumulator
-    assert lce.chunk_columns(16384, 128256, 2, 4096) == 4096  # accumulator alone is 256 MiB
-    assert lce.chunk_columns(1024, 128256, 2, 4096) == 32768  # CHUNK_BYTES
-    assert lce.chunk_columns(16, 100, 2, 8) == 100  # never wider than the vocabulary
-    assert lce.chunk_columns(2**20, 128256, 2, 16) == lce.MIN_CHUNK
+    assert lce.chunk_columns(8192, 128256, 2) == 4096  # 64 MiB buffer
+    assert lce.chunk_columns(1024, 128256, 2) == 32768
+    assert lce.chunk_columns(16, 100, 2) == 100  # never wider than the vocabulary
+    assert lce.chunk_columns(2**20, 128256, 2) == lce.MIN_CHUNK
 
 
 def test_torch_path_never_holds_the_full_logits(monkeypatch):

@@ -235,7 +235,6 @@ def test_options_over_many_vocabulary_chunks(backend, monkeypatch):
     one = loss_and_grads(ours(backend, "none", **options), x, w, b, t, grad_loss, grad_z)
     monkeypatch.setattr(lce, "MIN_CHUNK", 40)  # 4 chunks, the last one partial
     monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(lce, "WORKSPACE_BYTES", 0)
     monkeypatch.setattr(mhc.losses, "TORCH_CHUNK_BYTES", 33 * 4 * 40)
     many = loss_and_grads(ours(backend, "none", **options), x, w, b, t, grad_loss, grad_z)
     for a, c in zip(one, many):
