@@ -106,6 +106,19 @@ def _pick(hist, slot, h):
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _load_again(ptr, offs, m, FP64: tl.constexpr):
+    """``load_upcast`` that the compiler may not merge with an earlier load of the same block:
+    the block is re-read instead of held in registers across the reverse sweep."""
+    b = tl.load(ptr + offs, mask=m, other=0.0, volatile=True)
+    return b.to(tl.float64) if FP64 else b.to(tl.float32)
+
+
+@triton.jit
 def sinkhorn_tiled_bwd_kernel(
     x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
     T, iters,
@@ -113,7 +126,6 @@ def sinkhorn_tiled_bwd_kernel(
     SEGP: tl.constexpr, FP64: tl.constexpr,
 ):
     offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
-    g = load_upcast(g_ptr, offs, m, FP64)
     k, r1 = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(r1)
     slot = tl.arange(0, SEGP)[None, None, :]
@@ -122,14 +134,17 @@ def sinkhorn_tiled_bwd_kernel(
     # the first one short by pad. Final scalings (P = u_t K v_t) and the row / column sums
     # (rs, cs) of dL/dlog(iterate) at the current reverse position are set here for iters == 1
     # and by the last segment otherwise; acc collects the subtracted outer products:
-    # dL/dlog(M_1) = G * P - K * acc.
+    # dL/dlog(M_1) = G * P - K * acc. The upstream gradient G is read where it is needed
+    # (here, in the last segment, at the end) rather than held: at n = 64 it is a quarter of the
+    # registers.
     mult = iters - 1
     n_seg = (mult + SEG - 1) // SEG
     pad = n_seg * SEG - mult
     u_t = ones_u
     v_t = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
-    rs = tl.sum(g * k, axis=2, keep_dims=True)
-    cs = tl.sum(g * k, axis=1, keep_dims=True)
+    gk = load_upcast(g_ptr, offs, m, FP64) * k
+    rs = tl.sum(gk, axis=2, keep_dims=True)
+    cs = tl.sum(gk, axis=1, keep_dims=True)
     acc = tl.zeros_like(k)
 
     for i_rev in range(n_seg):
@@ -145,17 +160,19 @@ def sinkhorn_tiled_bwd_kernel(
         if i_rev == 0:
             u_t = u
             v_t = v
-            d = g * (u * k * v)
+            d = _load_again(g_ptr, offs, m, FP64) * (u * k * v)
             rs = tl.sum(d, axis=2, keep_dims=True)
             cs = tl.sum(d, axis=1, keep_dims=True)
 
         u_k = u  # slot SEG
         for j in range(SEG - h_lo):
             u_p = _pick(hist, slot, SEG - 1 - j)
-            v_k = _col_scaling(k, u_p, col_ok)
-            # row step on M = diag(u_k) K diag(v_k): alpha = rs
+            # row step on M = diag(u_k) K diag(v_k): alpha = rs; its column sums and the
+            # column step's v_k = 1 / (K^T u_p) in one reduction over the rows
             a = rs * u_k
-            cs = cs - v_k * tl.sum(k * a, axis=1, keep_dims=True)
+            col_sums, k_a = tl.reduce((k * u_p, k * a), 1, _add_pairs, keep_dims=True)
+            v_k = tl.where(col_ok, 1.0 / tl.where(col_ok, col_sums, 1.0), 0.0)
+            cs = cs - v_k * k_a
             # column step on M = diag(u_p) K diag(v_k): beta = cs
             bv = cs * v_k
             rs = -u_p * tl.sum(k * bv, axis=2, keep_dims=True)
@@ -165,7 +182,7 @@ def sinkhorn_tiled_bwd_kernel(
 
     # first iteration: row step on K (u = v = 1), then the column step on M1 = r1 * K
     cs = cs - tl.sum(k * rs, axis=1, keep_dims=True)
-    dx = k * (u_t * g * v_t - acc - rs - r1 * cs)
+    dx = k * (u_t * _load_again(g_ptr, offs, m, FP64) * v_t - acc - rs - r1 * cs)
     store_rounded(dx_ptr, offs, m, dx)
 
 
