@@ -205,10 +205,11 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def model_table(batch, seq, compile_modes):
+def model_table(batch, seq, compile_modes, only=None):
     from triton.testing import do_bench
 
     arms, skipped = _arms()
+    arms = [arm for arm in arms if only is None or arm in only]
     rows = []
     base = {}
     for compiled in compile_modes:
@@ -293,6 +294,8 @@ def main(argv=None):
     p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
                    choices=["kernels", "block", "model", "profile"])
     p.add_argument("--no-compile", action="store_true", help="model table: eager only")
+    p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-torch", "liger"],
+                   help="model table: only these arms (default: all)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
@@ -315,7 +318,8 @@ def main(argv=None):
         write_csv(rows, f"{args.out_dir}/block.csv", ["dim", "n", "arm", "ms", "x_plain", "peak_extra_gib", "note"])
     if "model" in args.tables:
         print(f"## model: 8-layer GPT, d=1024, {args.batch} x {args.seq} tokens, AdamW step", flush=True)
-        rows = model_table(args.batch, args.seq, [False] if args.no_compile else [False, True])
+        rows = model_table(args.batch, args.seq, [False] if args.no_compile else [False, True],
+                           args.arms)
         write_csv(rows, f"{args.out_dir}/model.csv",
                   ["arm", "ms", "tokens_per_s", "x_plain", "peak_gib", "peak_x_plain", "first_step_s", "note"])
     if "profile" in args.tables:
