@@ -51,6 +51,13 @@ def load_upcast(ptr, offs, m, FP64: tl.constexpr):
 
 
 @triton.jit
+def centered(v, col_ok, N: tl.constexpr):
+    """``v`` (columns on the last axis) minus its mean over the ``N`` real columns, 0 on padding:
+    the component orthogonal to the null vector of the implicit backward's system."""
+    return tl.where(col_ok, v - tl.sum(v, axis=-1, keep_dims=True) / N, 0.0)
+
+
+@triton.jit
 def store_rounded(ptr, offs, m, b):
     """Store a block in the output dtype, rounding to nearest even when narrowing from fp32."""
     if ptr.dtype.element_ty == tl.float16 or ptr.dtype.element_ty == tl.bfloat16:

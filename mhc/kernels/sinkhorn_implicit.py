@@ -13,17 +13,12 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._tiles import (
-    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
+    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, centered,
+    launch_config,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_implicit_bwd
 
 IMPLICIT_VALUES_PER_THREAD = 16
-
-
-@triton.jit
-def _centered(v, col_ok, N: tl.constexpr):
-    """``v`` minus its mean over the ``N`` real columns: the component orthogonal to the null vector."""
-    return tl.where(col_ok, v - tl.sum(v, axis=1, keep_dims=True) / N, 0.0)
 
 
 @triton.jit
@@ -55,7 +50,7 @@ def sinkhorn_implicit_bwd_kernel(
     # is orthogonal to the null vector 1; in fp32 rounding leaks into it and CG amplifies the leak,
     # so the right-hand side and each residual are re-centred.
     beta = tl.zeros_like(rhs)
-    res = _centered(rhs, col_ok, N)
+    res = centered(rhs, col_ok, N)
     p = res
     rr = tl.sum(res * res, axis=1, keep_dims=True)
     for i_cg in range(N):
@@ -65,7 +60,7 @@ def sinkhorn_implicit_bwd_kernel(
         pap = tl.sum(p * ap, axis=1, keep_dims=True)
         alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
         beta += alpha * p
-        res = _centered(res - alpha * ap, col_ok, N)
+        res = centered(res - alpha * ap, col_ok, N)
         rr_new = tl.sum(res * res, axis=1, keep_dims=True)
         gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
         p = res + gamma * p

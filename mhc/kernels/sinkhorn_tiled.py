@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._tiles import MAX_N, load_upcast, next_pow2, store_rounded
+from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, store_rounded
 
 # (BLOCK_T, num_warps, SEG) per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py).
 # SEG is the number of iterations whose row scalings the exact backward holds on chip.
@@ -187,12 +187,6 @@ def sinkhorn_tiled_bwd_kernel(
 
 
 @triton.jit
-def _centered(v, col_ok, N: tl.constexpr):
-    """``v [B, 1, NP]`` minus its mean over the real columns (orthogonal to the null vector 1)."""
-    return tl.where(col_ok, v - tl.sum(v, axis=2, keep_dims=True) / N, 0.0)
-
-
-@triton.jit
 def sinkhorn_tiled_implicit_bwd_kernel(
     r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
     T,
@@ -212,7 +206,7 @@ def sinkhorn_tiled_implicit_bwd_kernel(
     rhs = tl.sum(s, axis=1, keep_dims=True) - tl.sum(rn * s_r, axis=1, keep_dims=True)
 
     beta = tl.zeros_like(rhs)
-    res = _centered(rhs, col_ok, N)
+    res = centered(rhs, col_ok, N)
     p = res
     rr = tl.sum(res * res, axis=2, keep_dims=True)
     # At most N steps (exact in exact arithmetic); stop once every residual of the tile is below
@@ -225,7 +219,7 @@ def sinkhorn_tiled_implicit_bwd_kernel(
         pap = tl.sum(p * ap, axis=2, keep_dims=True)
         alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
         beta += alpha * p
-        res = _centered(res - alpha * ap, col_ok, N)
+        res = centered(res - alpha * ap, col_ok, N)
         rr_new = tl.sum(res * res, axis=2, keep_dims=True)
         gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
         p = res + gamma * p
