@@ -62,13 +62,14 @@ def assert_all_close(got, want, rtol, atol):
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
+# every variant its own test: drawn by Hypothesis, the dynamic mHC path went unexercised in CI
+@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
 @given(
     # on a GPU every n compiles its own kernels: a few there, all of 1..8 in the interpreter
     n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
-    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
-    constraint=st.sampled_from(["sinkhorn", "none"]), dynamic=st.booleans(), seed=st.integers(0, 2**16),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2), seed=st.integers(0, 2**16),
 )
-def test_fused_matches_reference(n, dim, lead, constraint, dynamic, seed, nan_poison):
+def test_fused_matches_reference(constraint, dynamic, n, dim, lead, seed, nan_poison):
     fused, ref = layer_pair(dim, n, constraint, dynamic, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, n, dim, generator=g).to(DEVICE)
