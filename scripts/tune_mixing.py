@@ -1,12 +1,13 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
-    python scripts/tune_mixing.py [compile] [overhead] [host] [resources] [projection] [coefficients] [mix-bwd]
+    python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [coefficients] [mix-bwd]
                                   [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
-- ``projection`` / ``coefficients``: the backward projection / forward coefficient kernel over a
-  few tile configurations at d = 4096 and 1024, n = 4 (``n=8`` as an argument: n = 8), 16k
-  tokens (the launchers' config functions are replaced for the sweep);
+- ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
+  1024 with registers and spills, and the precision of its ``g @ phi^T``; ``coefficients``: the
+  forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
+  argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
@@ -99,34 +100,6 @@ def host_profile():
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
-def kernel_resources():
-    """Registers, spills and shared memory of the projection backward for a few configurations."""
-    captured = {}
-    jit = mhc_coefficients.projection_bwd_kernel
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                captured["k"] = jit[grid](*args, **kwargs)
-            return launch
-
-    mhc_coefficients.projection_bwd_kernel = Capture()
-    original = mhc_coefficients.projection_bwd_config
-    x, phi, gates, biases = _inputs(4096, 4, 16384)
-    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
-    g_in = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
-    g_acc = torch.randn_like(x)
-    for cfg in [(64, 64, 4, 3, 8), (64, 64, 4, 2, 8), (64, 64, 4, 4, 8), (64, 32, 4, 3, 8), (32, 64, 2, 3, 8),
-                (64, 128, 4, 3, 4), (128, 32, 4, 3, 8)]:
-        mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
-        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
-        if _time(f"projection bwd {cfg}", call, 4 * x.numel() * 2 + 2 * g_in.numel() * 2) is not None:
-            k = captured["k"]
-            print(f"    regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}", flush=True)
-    mhc_coefficients.projection_bwd_config = original
-    mhc_coefficients.projection_bwd_kernel = jit
-
-
 def _inputs(dim, n, T):
     K, M = n * dim, 2 * n + n * n
     x = torch.randn(T, n, dim, device="cuda", dtype=torch.bfloat16)
@@ -150,22 +123,48 @@ def _time(label, call, nbytes):
 
 
 def sweep_projection():
-    configs = [(64, 64, 4, 3, 4), (64, 64, 8, 3, 4), (32, 64, 4, 3, 4), (64, 128, 8, 3, 4), (32, 128, 4, 3, 4),
-               (64, 64, 4, 1, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (32, 32, 4, 3, 8), (16, 64, 4, 3, 4),
-               (32, 32, 4, 2, 4), (16, 32, 4, 2, 4), (64, 32, 4, 3, 4), (32, 64, 8, 3, 4)]
-    original = mhc_coefficients.projection_bwd_config
-    for dim in (4096, 1024):
+    """Coefficient backward (gradient + projection kernels) over tile configurations, with the
+    registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
+    configs = [(64, 64, 4, 3, 4), (64, 64, 4, 3, 8), (64, 64, 4, 3, 16), (32, 128, 4, 3, 8), (32, 64, 4, 3, 8),
+               (64, 128, 8, 3, 4), (128, 64, 8, 3, 4), (64, 64, 4, 2, 8)]
+    original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
+    jit = mhc_coefficients.projection_bwd_kernel
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured["k"] = jit[grid](*args, **kwargs)
+            return launch
+
+    for dim in (4096, 2048, 1024):
         n, T = STREAMS, 16384
         x, phi, gates, biases = _inputs(dim, n, T)
         x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
         g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
         g_acc = torch.randn_like(x)
         nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
+        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+        print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
-            mhc_coefficients.projection_bwd_config = lambda n, cfg=cfg: cfg
-            call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
-            _time(f"projection bwd d={dim} {cfg}", call, nbytes)
-    mhc_coefficients.projection_bwd_config = original
+            mhc_coefficients.projection_bwd_config = lambda n, d, cfg=cfg: cfg
+            mhc_coefficients.projection_bwd_kernel = Capture()
+            call()
+            mhc_coefficients.projection_bwd_kernel = jit
+            k = captured["k"]
+            resources = f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
+            _time(f"coefficients bwd d={dim} {cfg} {resources}", call, nbytes)
+        mhc_coefficients.projection_bwd_config = original
+        dx32, dphi32 = kernels.coefficients_bwd(
+            x.float(), phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in.float(), g_acc.float()
+        )[:2]
+        rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+        for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 at n > 4: see dx_precision
+            mhc_coefficients.dx_precision = lambda x, n, mode=mode: mode
+            dx, dphi = call()[:2]
+            ms = _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
+            print(f"    dx {rel(dx, dx32):.3e}, dphi {rel(dphi, dphi32):.3e} from the fp32 path", flush=True)
+        mhc_coefficients.dx_precision = precision
 
 
 def sweep_coefficients():
@@ -244,8 +243,6 @@ if __name__ == "__main__":
     todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients", "model-profile"]
     if "host" in todo:
         host_profile()
-    if "resources" in todo:
-        kernel_resources()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("mix-bwd", sweep_mix_bwd),

@@ -224,7 +224,7 @@ def projection_bwd_kernel(
     dx_ptr, dphi_ptr,
     T, D, SPLITS,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
     # program: stream j, channels o_c (rows j * D + o_c of phi), every SPLITS-th token block
@@ -256,8 +256,8 @@ def projection_bwd_kernel(
         b_x = tl.load(x_ptr + p_x, mask=m, other=0.0)
         b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
 
-        dx = tl.dot(b_g_pp, tl.trans(b_phi_pp), input_precision="tf32x3")
-        dx += tl.dot(b_g_res, tl.trans(b_phi_res), input_precision="tf32x3")
+        dx = tl.dot(b_g_pp, tl.trans(b_phi_pp), input_precision=DX_PRECISION)
+        dx += tl.dot(b_g_res, tl.trans(b_phi_res), input_precision=DX_PRECISION)
         dx += h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
         if ACCUMULATE:
             dx += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
@@ -286,6 +286,16 @@ def _split_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
+def dx_precision(x: torch.Tensor, n: int) -> str:
+    """Precision of ``g @ phi^T`` in the projection backward. A bf16 ``dx`` keeps 8 significant
+    bits: one tf32 product (11 bits, a third of tf32x3's tensor-core work) stays below its rounding
+    (H100, n = 4: the same error against an fp32 computation, 1.66e-3, and 1.255 -> 1.125 ms for
+    the coefficient backward at d = 4096). Only up to n = 4: at n = 5..8 (res columns 32 or 64
+    wide) the tf32 kernel stops with an illegal memory access under Triton 3.6, the tf32x3 one
+    does not. fp16 (11 bits) and fp32 keep tf32x3."""
+    return "tf32" if x.dtype == torch.bfloat16 and n <= 4 else "tf32x3"
+
+
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection."""
     if 4 < n <= 8:  # measured on an H100 at n = 8: 1.51 ms against 2.73 ms for (32, 64, 4, 3)
@@ -295,11 +305,13 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     return (64 if n <= 4 else 16), block_k, 4, 3
 
 
-def projection_bwd_config(n: int) -> tuple[int, int, int, int, int]:
+def projection_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves)``: ``waves`` programs per SM at least,
     token splits chosen to reach them."""
     if n <= 4:
-        return 64, 64, 4, 3, 4
+        # coefficient backward on an H100, n = 4, 16k tokens: d = 1024 0.310 ms against 0.346 for
+        # (64, 64, 4, 3, 8), d = 2048 0.614 against 0.625; d = 4096 1.135 against 1.170 for (32, 128)
+        return (32, 128, 4, 3, 8) if d <= 2048 else (64, 64, 4, 3, 8)
     if n <= 8:  # res columns [64, 64]: without pipelining, 4.1 ms against 9.2 ms at n = 8, d = 4096
         return 64, 64, 4, 1, 4
     return 16, 32, 4, 2, 4
@@ -367,7 +379,7 @@ def coefficients_bwd(
     )
 
     dx = torch.empty_like(x)
-    block_t, block_d, num_warps, num_stages, waves = projection_bwd_config(n)
+    block_t, block_d, num_warps, num_stages, waves = projection_bwd_config(n, d)
     chunks = n * triton.cdiv(d, block_d)
     splits = max(1, min(triton.cdiv(T, block_t), triton.cdiv(waves * _sm_count(x.device), chunks)))
     partial_phi = torch.empty((splits, K, M), **f32)
@@ -375,7 +387,8 @@ def coefficients_bwd(
     projection_bwd_kernel[(chunks, splits)](
         x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
         T, d, splits,
-        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t, BLOCK_D=block_d,
+        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), DX_PRECISION=dx_precision(x, n),
+        BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages, **cols,
     )
     return dx, partial_phi.sum(0), partial_bias.sum(0)
