@@ -233,7 +233,7 @@ def _passes(backend: str):
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
     reduction: str = "mean"
-    ignore_index: int = -100
+    ignore_index: int = DEFAULT_IGNORE_INDEX
     label_smoothing: float = 0.0
     lse_square_scale: float = 0.0
     softcap: float | None = None
