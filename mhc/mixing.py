@@ -7,8 +7,8 @@ Axis legend (einops):
     t     target stream / lane
     d     channels (``dim``)
 
-Coefficients are computed in fp32 whatever the activation dtype; the mixing itself runs in the
-activation dtype. ``docs/mixing.md`` gives the equations and the initialisation choices.
+Coefficients are computed in fp32 whatever the activation dtype (fp64 when the activations or
+the parameters are fp64); the mixing itself runs in the activation dtype. ``docs/mixing.md`` gives the equations and the initialisation choices.
 """
 
 from __future__ import annotations
@@ -87,6 +87,12 @@ def _check_rms_eps(eps) -> float:
     if not (0.0 < eps < math.inf):
         raise ValueError(f"rms_eps must be a finite float > 0, got {eps}")
     return float(eps)
+
+
+def _coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when any of ``tensors`` is fp64: the reference path then computes its
+    coefficients in fp64 too, so that it serves as the exact oracle of the fused kernels."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -209,7 +215,8 @@ class HyperConnection(nn.Module):
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
     the branch. A branch that returns a tuple ``(y, *extras)`` (attention weights, a cache) has
     ``y`` mixed into the streams, and ``forward`` returns ``(streams, *extras)``.
-    ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32.
+    ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on
+    the ``"torch"`` path for fp64 activations or parameters).
     """
 
     def __init__(
@@ -285,28 +292,33 @@ class HyperConnection(nn.Module):
                 nn.init.normal_(self.phi, std=self.phi.shape[0] ** -0.5)
 
     def _dynamic_logits(self, x: torch.Tensor):
-        """fp32 ``(pre [..., n], post [..., n], res [..., n, n])`` before the bias."""
+        """``(pre [..., n], post [..., n], res [..., n, n])`` before the bias, in
+        ``_coefficient_dtype(x, phi)``."""
         n = self.n_streams
+        dtype = _coefficient_dtype(x, self.phi)
         if self.constraint == "sinkhorn":
-            v = rearrange(x.float(), "... s d -> ... (s d)")
-            proj = (v @ self.phi.float()) * _rms_inverse(v, self.rms_eps)
+            v = rearrange(x.to(dtype), "... s d -> ... (s d)")
+            proj = (v @ self.phi.to(dtype)) * _rms_inverse(v, self.rms_eps)
             pre, post, res = proj.split([n, n, n * n], dim=-1)
             res = rearrange(res, "... (t s) -> ... t s", t=n)
             return self.a_pre * pre, self.a_post * post, self.a_res * res
-        xf = x.float()
-        proj = torch.tanh((xf * _rms_inverse(xf, self.rms_eps)) @ self.phi.float())  # [..., s, n + 2]
+        xf = x.to(dtype)
+        proj = torch.tanh((xf * _rms_inverse(xf, self.rms_eps)) @ self.phi.to(dtype))  # [..., s, n + 2]
         pre, post, res = proj[..., 0], proj[..., 1], proj[..., 2:]
         return self.a_pre * pre, self.a_post * post, self.a_res * res
 
     def _static_coefficients(self):
-        """fp32 ``(h_pre [n], h_post [n], h_res [n, n])`` of a static layer."""
+        """``(h_pre [n], h_post [n], h_res [n, n])`` of a static layer, fp32 (fp64 for fp64 parameters)."""
+        dtype = _coefficient_dtype(self.b_res)
+        b_pre, b_post, b_res = self.b_pre.to(dtype), self.b_post.to(dtype), self.b_res.to(dtype)
         if self.constraint == "none":
-            return self.b_pre.float(), self.b_post.float(), self.b_res.float()
-        h_res = sinkhorn(self.b_res.float(), self.sinkhorn_iters, backward=self.backward, backend=self.backend)
-        return torch.sigmoid(self.b_pre.float()), 2.0 * torch.sigmoid(self.b_post.float()), h_res
+            return b_pre, b_post, b_res
+        h_res = sinkhorn(b_res, self.sinkhorn_iters, backward=self.backward, backend=self.backend)
+        return torch.sigmoid(b_pre), 2.0 * torch.sigmoid(b_post), h_res
 
     def coefficients(self, x: torch.Tensor):
-        """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 for streams ``x [..., n, dim]``."""
+        """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64: see the class) for
+        streams ``x [..., n, dim]``."""
         _check_streams(x, self.n_streams, self.dim, "x")
         if self._fused_dynamic_mhc(x):
             n, lead = self.n_streams, x.shape[:-2]
@@ -316,9 +328,10 @@ class HyperConnection(nn.Module):
         if not self.dynamic:
             h_pre, h_post, h_res = self._static_coefficients()
             return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
-        pre = self.b_pre.float().expand(*lead, -1)
-        post = self.b_post.float().expand(*lead, -1)
-        res = self.b_res.float().expand(*lead, -1, -1)
+        dtype = _coefficient_dtype(x, self.b_res)
+        pre = self.b_pre.to(dtype).expand(*lead, -1)
+        post = self.b_post.to(dtype).expand(*lead, -1)
+        res = self.b_res.to(dtype).expand(*lead, -1, -1)
         d_pre, d_post, d_res = self._dynamic_logits(x)
         pre, post, res = pre + d_pre, post + d_post, res + d_res
         if self.constraint == "none":
@@ -440,13 +453,14 @@ class LaneMixer(nn.Module):
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""
-        logits = self.logits.float()
+        logits = self.logits.to(_coefficient_dtype(self.logits))
         if self.dynamic:
             if x is None:
                 raise ValueError("a dynamic LaneMixer needs the lanes x to build its matrices")
             _check_streams(x, self.n_lanes, self.dim, "x")
-            v = rearrange(x.float(), "... s d -> ... (s d)")
-            dyn = (v @ self.proj.float()) * _rms_inverse(v, self.rms_eps)
+            dtype = _coefficient_dtype(x, self.proj)
+            v = rearrange(x.to(dtype), "... s d -> ... (s d)")
+            dyn = (v @ self.proj.to(dtype)) * _rms_inverse(v, self.rms_eps)
             logits = logits + rearrange(dyn, "... (t s) -> ... t s", t=self.n_lanes)
         return sinkhorn(logits, self.iters, backward=self.backward, backend=self.backend)
 

@@ -4,6 +4,8 @@ On CPU the kernels run in Triton's interpreter on small shapes; tests/test_mixin
 full sizes on a GPU.
 """
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -115,8 +117,8 @@ def test_low_precision_three_way(dtype):
     fused, ref = layer_pair(40, 4, seed=4)
     x = torch.randn(3, 30, 4, 40, device=DEVICE)
     grad = torch.randn_like(x)
-    exact = run(ref.double(), x.double(), grad.double())
-    ref.float().branch.to(dtype)
+    exact = run(copy.deepcopy(ref).double(), x.double(), grad.double())
+    ref.branch.to(dtype)
     fused.branch.to(dtype)
     low_ref = run(ref, x.to(dtype), grad.to(dtype))
     got = run(fused, x.to(dtype), grad.to(dtype))
