@@ -125,8 +125,8 @@ def _time(label, call, nbytes):
 def sweep_projection():
     """Coefficient backward (gradient + projection kernels) over tile configurations, with the
     registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
-    configs = [(64, 64, 4, 3, 4), (64, 64, 4, 3, 8), (64, 64, 4, 3, 16), (32, 128, 4, 3, 8), (32, 64, 4, 3, 8),
-               (64, 128, 8, 3, 4), (128, 64, 8, 3, 4), (64, 64, 4, 2, 8)]
+    configs = [(64, 64, 4, 3, 8, None), (64, 64, 4, 3, 8, 168), (64, 64, 4, 3, 4, 168), (64, 64, 4, 2, 8, 168),
+               (64, 64, 4, 3, 16, 168), (32, 128, 4, 3, 8, None), (64, 128, 8, 3, 8, None), (64, 64, 4, 2, 4, None)]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
     jit = mhc_coefficients.projection_bwd_kernel
     captured = {}
