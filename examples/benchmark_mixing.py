@@ -150,32 +150,48 @@ def kernel_table(dim, n, tokens, copy_gbps):
 # ------------------------------------------------------------------------------ block
 
 
-def block_table(dims, ns, tokens):
+def block_table(dims, ns, tokens, repeats=3):
+    """Every arm is timed ``repeats`` times, the arms interleaved (plain, mhc, ..., plain, mhc,
+    ...), so that a drift of the device's clocks moves every arm alike; the ratio to the plain
+    block is the median over the rounds of the ratio within a round, printed with its range."""
     from triton.testing import do_bench
 
     arms, skipped = _arms()
     rows = []
     for dim in dims:
         for n in ns:
-            base = None
+            runs = {}
             for arm in arms:
                 torch.manual_seed(0)
                 module = wrap(arm, MLP(dim).cuda().to(DTYPE), dim, n)
                 shape = (tokens, dim) if arm == "plain" else (tokens, n, dim)
                 x = torch.randn(shape, device="cuda", dtype=DTYPE, requires_grad=True)
                 w = torch.randn(shape, device="cuda", dtype=DTYPE)
-                step = lambda: module(x).backward(w)
-                ms = do_bench(step, warmup=50, rep=200, grad_to_none=[x, *module.parameters()], return_mode="median")
+                runs[arm] = (lambda module=module, x=x, w=w: module(x).backward(w)), [x, *module.parameters()]
+            times = {arm: [] for arm in arms}
+            for _ in range(repeats):
+                for arm, (step, grads) in runs.items():
+                    times[arm].append(do_bench(step, warmup=50, rep=500, grad_to_none=grads, return_mode="median"))
+            for arm, (step, _) in runs.items():
+                ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
+                ms, ratio = _median(times[arm]), _median(ratios)
                 peak = peak_extra(step)
-                base = ms if arm == "plain" else base
-                rows.append(dict(dim=dim, n=n, arm=arm, ms=ms, x_plain=ms / base, peak_extra_gib=peak / 2**30, note=""))
-                print(f"  d={dim:5d} n={n} {arm:>10} {ms:8.3f} ms {ms / base:5.2f}x  peak +{peak / 2**30:6.2f} GiB", flush=True)
-                del module, x, w
-                torch.cuda.empty_cache()
+                rows.append(dict(dim=dim, n=n, arm=arm, ms=ms, x_plain=ratio, x_plain_min=ratios[0],
+                                 x_plain_max=ratios[-1], peak_extra_gib=peak / 2**30, note=""))
+                print(f"  d={dim:5d} n={n} {arm:>10} {ms:8.3f} ms {ratio:6.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f} "
+                      f"over {repeats} rounds)  peak +{peak / 2**30:6.2f} GiB", flush=True)
+            del runs
+            torch.cuda.empty_cache()
             for arm, reason in skipped.items():
-                rows.append(dict(dim=dim, n=n, arm=arm, ms=float("nan"), x_plain=float("nan"),
-                                 peak_extra_gib=float("nan"), note=reason))
+                rows.append(dict(dim=dim, n=n, arm=arm, ms=float("nan"), x_plain=float("nan"), x_plain_min=float("nan"),
+                                 x_plain_max=float("nan"), peak_extra_gib=float("nan"), note=reason))
     return rows
+
+
+def _median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 # ------------------------------------------------------------------------------ model
@@ -289,6 +305,7 @@ def main(argv=None):
     p.add_argument("--dims", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
     p.add_argument("--streams", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=3, help="block table: interleaved rounds of every arm")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
@@ -314,8 +331,9 @@ def main(argv=None):
         write_csv(rows, f"{args.out_dir}/kernels.csv", ["dim", "n", "kernel", "ms", "bytes_moved", "gbps", "of_copy"])
     if "block" in args.tables:
         print("## block: MLP, tokens", args.tokens, flush=True)
-        rows = block_table(args.dims, args.streams, args.tokens)
-        write_csv(rows, f"{args.out_dir}/block.csv", ["dim", "n", "arm", "ms", "x_plain", "peak_extra_gib", "note"])
+        rows = block_table(args.dims, args.streams, args.tokens, args.repeats)
+        write_csv(rows, f"{args.out_dir}/block.csv",
+                  ["dim", "n", "arm", "ms", "x_plain", "x_plain_min", "x_plain_max", "peak_extra_gib", "note"])
     if "model" in args.tables:
         print(f"## model: 8-layer GPT, d=1024, {args.batch} x {args.seq} tokens, AdamW step", flush=True)
         rows = model_table(args.batch, args.seq, [False] if args.no_compile else [False, True],
