@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -174,7 +175,7 @@ def block_table(dims, ns, tokens, repeats=3):
                     times[arm].append(do_bench(step, warmup=50, rep=500, grad_to_none=grads, return_mode="median"))
             for arm, (step, _) in runs.items():
                 ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
-                ms, ratio = _median(times[arm]), _median(ratios)
+                ms, ratio = statistics.median(times[arm]), statistics.median(ratios)
                 peak = peak_extra(step)
                 rows.append(dict(dim=dim, n=n, arm=arm, ms=ms, x_plain=ratio, x_plain_min=ratios[0],
                                  x_plain_max=ratios[-1], peak_extra_gib=peak / 2**30, note=""))
@@ -186,12 +187,6 @@ def block_table(dims, ns, tokens, repeats=3):
                 rows.append(dict(dim=dim, n=n, arm=arm, ms=float("nan"), x_plain=float("nan"), x_plain_min=float("nan"),
                                  x_plain_max=float("nan"), peak_extra_gib=float("nan"), note=reason))
     return rows
-
-
-def _median(values):
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 # ------------------------------------------------------------------------------ model

@@ -8,7 +8,8 @@ Axis legend (einops):
     d     channels (``dim``)
 
 Coefficients are computed in fp32 whatever the activation dtype (fp64 when the activations or
-the parameters are fp64); the mixing itself runs in the activation dtype. ``docs/mixing.md`` gives the equations and the initialisation choices.
+the parameters are fp64); the mixing itself runs in the activation dtype. ``docs/mixing.md``
+gives the equations and the initialisation choices.
 """
 
 from __future__ import annotations
