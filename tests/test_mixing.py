@@ -184,6 +184,20 @@ def test_lane_mixer_static_and_dynamic():
     assert dyn.proj.grad.abs().sum() > 0 and dyn.logits.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
+def test_fp64_layers_compute_their_coefficients_in_fp64(constraint, dynamic):
+    # the fp64 reference is the exact oracle of the fused kernels' tests: no fp32 step inside
+    hc = randomise(HyperConnection(6, 3, constraint=constraint, dynamic=dynamic, backend="torch"), 13)
+    x = streams((2, 5), 3, 6, 14)
+    low = hc.coefficients(x)
+    exact = hc.double().coefficients(x.double())
+    for got, want in zip(exact, low):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-5)
+    lm = randomise(LaneMixer(3, dim=6, dynamic=True, backend="torch"), 15).double()
+    assert lm.matrix(x.double()).dtype == torch.float64
+
+
 def test_gain_metric_on_known_matrices():
     eye = torch.eye(3).expand(10, 3, 3)
     report = amax_gain([eye, eye])
