@@ -2,7 +2,7 @@
 
     python scripts/tune_sinkhorn.py [tiles | tiles=bwd,implicit] [layout] [ir] [compile]
 
-- ``tiles``: the tiled kernels' ``(BLOCK_T, num_warps[, SEG])`` over a grid of choices, per
+- ``tiles``: the tiled kernels' ``(BLOCK_T, num_warps[, SEG, RECOMPUTE_R1])`` over a grid of choices, per
   ``NP`` class (n = 8, 16, 32, 64) at 256 MiB of fp32 logits, 20 iterations; each row is one
   kernel's median time (``do_bench``) against the clone of the logits;
 - ``layout``: per-row kernels (``sinkhorn.py``) against the tiled ones at n = 4..16, with the
@@ -54,7 +54,8 @@ def tiles(only: str = "fwd,bwd,implicit"):
         saved = dict(config)
         kinds = {
             "fwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_fwd(x, ITERS), [()]),
-            "bwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_bwd(x, g, ITERS), [(7,), (15,), (19,)]),
+            "bwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_bwd(x, g, ITERS),
+                    [(7, False), (15, False), (19, False), (19, True)]),
             "implicit": (lambda: sinkhorn_tiled.sinkhorn_tiled_implicit_bwd(out, g), [()]),
         }
         for kind, (call, extras) in kinds.items():

@@ -144,13 +144,15 @@ def test_exact_gradient_matches_autograd(backend, n, iters, scale, seed, nan_poi
 
 
 @pytest.mark.parametrize("n", [16, 33])
-def test_exact_gradient_large_n_segments(n, nan_poison):
-    # the tiled kernel keeps SEG < 19 iterations on chip at n = 16 and 33: several recomputed
-    # segments, the first one short.
+@pytest.mark.parametrize("iters", [1, 20])
+def test_exact_gradient_large_n_segments(n, iters, nan_poison):
+    # At n = 16 the tiled kernel keeps SEG = 15 < 19 iterations on chip: two recomputed
+    # segments, the first one short. n = 33 runs the NP = 64 configuration, which recomputes the
+    # first iteration's row sums at the end (RECOMPUTE_R1). iters = 1: no reverse steps at all.
     x = random_logits((3, n, n), 1.0, n).requires_grad_()
     g = random_logits((3, n, n), 1.0, n + 1)
-    sinkhorn(x, 20, backend="triton").backward(g)
-    torch.testing.assert_close(x.grad.cpu(), autograd_gradient(x, g, 20), rtol=0, atol=1e-10)
+    sinkhorn(x, iters, backend="triton").backward(g)
+    torch.testing.assert_close(x.grad.cpu(), autograd_gradient(x, g, iters), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -23,14 +23,16 @@ import triton.language as tl
 
 from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, store_rounded
 
-# (BLOCK_T, num_warps, SEG) per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py).
-# SEG is the number of iterations whose row scalings the exact backward holds on chip.
+# Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
+# (BLOCK_T, num_warps); bwd (BLOCK_T, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
+# iterations whose row scalings the exact backward holds on chip; RECOMPUTE_R1 trades a second
+# read of the logits for the registers of the first iteration's row sums.
 # Few warps per program win: reductions then stay within a warp (no shared-memory round trips).
 TILED_CONFIGS = {
-    8: dict(fwd=(64, 2), bwd=(16, 1, 7), implicit=(16, 1)),
-    16: dict(fwd=(16, 2), bwd=(4, 1, 15), implicit=(4, 1)),
-    32: dict(fwd=(2, 1), bwd=(1, 1, 19), implicit=(1, 1)),
-    64: dict(fwd=(1, 2), bwd=(1, 2, 19), implicit=(1, 2)),
+    8: dict(fwd=(64, 2), bwd=(16, 1, 7, False), implicit=(16, 1)),
+    16: dict(fwd=(16, 2), bwd=(4, 1, 15, False), implicit=(4, 1)),
+    32: dict(fwd=(2, 1), bwd=(1, 1, 19, False), implicit=(1, 1)),
+    64: dict(fwd=(1, 2), bwd=(1, 2, 19, True), implicit=(1, 2)),
 }
 
 
@@ -123,7 +125,7 @@ def sinkhorn_tiled_bwd_kernel(
     x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
     T, iters,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, SEG: tl.constexpr,
-    SEGP: tl.constexpr, FP64: tl.constexpr,
+    SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr, FP64: tl.constexpr,
 ):
     offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
     k, r1 = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
@@ -131,21 +133,22 @@ def sinkhorn_tiled_bwd_kernel(
     slot = tl.arange(0, SEGP)[None, None, :]
 
     # The iters - 1 multiplicative iterations (numbered 2..iters) run as n_seg segments of SEG,
-    # the first one short by pad. Final scalings (P = u_t K v_t) and the row / column sums
-    # (rs, cs) of dL/dlog(iterate) at the current reverse position are set here for iters == 1
-    # and by the last segment otherwise; acc collects the subtracted outer products:
-    # dL/dlog(M_1) = G * P - K * acc. The upstream gradient G is read where it is needed
-    # (here, in the last segment, at the end) rather than held: at n = 64 it is a quarter of the
-    # registers.
+    # the first one short by pad. The row / column sums (rs, cs) of dL/dlog(iterate) at the
+    # current reverse position are set here for iters == 1 and by the last segment otherwise.
+    # acc starts as -G * u_t v_t^T (u_t, v_t: the final scalings, P = u_t K v_t) and collects
+    # the reverse steps' outer products, so that dL/dlog(M_1) = -K * acc. Neither the final
+    # scalings nor G stay in registers to the end: the reverse sweep needs them (n = 8 to 32:
+    # 209-223 -> 168 registers per thread). G is read where it is needed (here, in the last
+    # segment) rather than held. With RECOMPUTE_R1 the first iteration's row sums are
+    # recomputed at the end instead of held (n = 64: no spills).
     mult = iters - 1
     n_seg = (mult + SEG - 1) // SEG
     pad = n_seg * SEG - mult
-    u_t = ones_u
-    v_t = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
-    gk = load_upcast(g_ptr, offs, m, FP64) * k
+    g = load_upcast(g_ptr, offs, m, FP64)
+    gk = g * k
     rs = tl.sum(gk, axis=2, keep_dims=True)
     cs = tl.sum(gk, axis=1, keep_dims=True)
-    acc = tl.zeros_like(k)
+    acc = -g
 
     for i_rev in range(n_seg):
         i_seg = n_seg - 1 - i_rev
@@ -158,9 +161,9 @@ def sinkhorn_tiled_bwd_kernel(
             u = _row_scaling(k, v, row_ok)
             hist = tl.where(slot == h + 1, u, hist)
         if i_rev == 0:
-            u_t = u
-            v_t = v
-            d = _load_again(g_ptr, offs, m, FP64) * (u * k * v)
+            g_uv = _load_again(g_ptr, offs, m, FP64) * (u * v)
+            acc = -g_uv
+            d = g_uv * k
             rs = tl.sum(d, axis=2, keep_dims=True)
             cs = tl.sum(d, axis=1, keep_dims=True)
 
@@ -182,7 +185,9 @@ def sinkhorn_tiled_bwd_kernel(
 
     # first iteration: row step on K (u = v = 1), then the column step on M1 = r1 * K
     cs = cs - tl.sum(k * rs, axis=1, keep_dims=True)
-    dx = k * (u_t * _load_again(g_ptr, offs, m, FP64) * v_t - acc - rs - r1 * cs)
+    if RECOMPUTE_R1:
+        _, r1 = _first_iteration(_load_again(x_ptr, offs, m, FP64), row_ok, col_ok)
+    dx = -k * (acc + rs + r1 * cs)
     store_rounded(dx_ptr, offs, m, dx)
 
 
@@ -265,11 +270,11 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     assert iters >= 1
     if T == 0:
         return grad_in
-    block_t, num_warps, seg = _config(n, "bwd")
+    block_t, num_warps, seg, recompute_r1 = _config(n, "bwd")
     sinkhorn_tiled_bwd_kernel[(triton.cdiv(T, block_t),)](
         logits, grad_out, grad_in, T, iters,
         N=n, NP=next_pow2(n), BLOCK_T=block_t, SEG=seg, SEGP=next_pow2(seg + 1),
-        FP64=logits.dtype == torch.float64, num_warps=num_warps,
+        RECOMPUTE_R1=recompute_r1, FP64=logits.dtype == torch.float64, num_warps=num_warps,
     )
     return grad_in
 
