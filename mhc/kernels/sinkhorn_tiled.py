@@ -121,6 +121,15 @@ def _load_again(ptr, offs, m, FP64: tl.constexpr):
 
 
 @triton.jit
+def _final_terms(g_ptr, offs, m, k, u, v, FP64: tl.constexpr):
+    """Start of the reverse sweep from the final iterate ``P = u K v``: the row and column sums
+    of ``G * P`` and the accumulator's first term ``-G * u v^T`` (``G`` read here)."""
+    g_uv = load_upcast(g_ptr, offs, m, FP64) * (u * v)
+    d = g_uv * k
+    return tl.sum(d, axis=2, keep_dims=True), tl.sum(d, axis=1, keep_dims=True), -g_uv
+
+
+@triton.jit
 def sinkhorn_tiled_bwd_kernel(
     x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
     T, iters,
@@ -138,17 +147,16 @@ def sinkhorn_tiled_bwd_kernel(
     # acc starts as -G * u_t v_t^T (u_t, v_t: the final scalings, P = u_t K v_t) and collects
     # the reverse steps' outer products, so that dL/dlog(M_1) = -K * acc. Neither the final
     # scalings nor G stay in registers to the end: the reverse sweep needs them (n = 8 to 32:
-    # 209-223 -> 168 registers per thread). G is read where it is needed (here, in the last
-    # segment) rather than held. With RECOMPUTE_R1 the first iteration's row sums are
-    # recomputed at the end instead of held (n = 64: no spills).
+    # 209-223 -> 168 registers per thread). G is read once, where the reverse sweep starts (in
+    # the last segment, or here for iters == 1). With RECOMPUTE_R1 the first iteration's row
+    # sums are recomputed at the end instead of held (n = 64: no spills).
     mult = iters - 1
     n_seg = (mult + SEG - 1) // SEG
     pad = n_seg * SEG - mult
-    g = load_upcast(g_ptr, offs, m, FP64)
-    gk = g * k
-    rs = tl.sum(gk, axis=2, keep_dims=True)
-    cs = tl.sum(gk, axis=1, keep_dims=True)
-    acc = -g
+    ones_v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
+    rs, cs, acc = tl.zeros_like(ones_u), tl.zeros_like(ones_v), tl.zeros_like(k)
+    if n_seg == 0:  # iters == 1: the final scalings are ones
+        rs, cs, acc = _final_terms(g_ptr, offs, m, k, ones_u, ones_v, FP64)
 
     for i_rev in range(n_seg):
         i_seg = n_seg - 1 - i_rev
@@ -161,11 +169,7 @@ def sinkhorn_tiled_bwd_kernel(
             u = _row_scaling(k, v, row_ok)
             hist = tl.where(slot == h + 1, u, hist)
         if i_rev == 0:
-            g_uv = _load_again(g_ptr, offs, m, FP64) * (u * v)
-            acc = -g_uv
-            d = g_uv * k
-            rs = tl.sum(d, axis=2, keep_dims=True)
-            cs = tl.sum(d, axis=1, keep_dims=True)
+            rs, cs, acc = _final_terms(g_ptr, offs, m, k, u, v, FP64)
 
         u_k = u  # slot SEG
         for j in range(SEG - h_lo):
