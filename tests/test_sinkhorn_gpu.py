@@ -32,6 +32,21 @@ def test_full_size_matches_fp64(n, backward, nan_poison):
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("n", [4, 16, 33], ids=["rows", "tiled", "tiled-padded"])
+@pytest.mark.parametrize("backward", ["exact", "implicit"])
+def test_fp64_compiles_and_matches_fp64_reference(n, backward, nan_poison):
+    # fp64 logits run fp64 kernels (FP64 constexpr), a separate compilation from fp32's
+    x = (torch.randn(512, n, n, device="cuda", dtype=torch.float64) * 0.3).requires_grad_()
+    g = torch.randn(512, n, n, device="cuda", dtype=torch.float64)
+    iters = 20 if backward == "exact" else 200
+    out = sinkhorn(x, iters, backward=backward, backend="triton")
+    out.backward(g)
+    want_out, want_grad = _fp64_forward_and_grad(x, g, iters)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=1e-9 if backward == "implicit" else 1e-12)
+
+
 def test_extreme_scale_full_size():
     x = torch.randn(2**16, 4, 4, device="cuda") * 1e4
     out = sinkhorn(x, 20)

@@ -45,9 +45,8 @@ def _row_tile(i_b, T, N: tl.constexpr, BLOCK_T: tl.constexpr, NP: tl.constexpr):
 def load_upcast(ptr, offs, m, FP64: tl.constexpr):
     """A block upcast to the compute dtype (fp64 for fp64 input, else fp32); 0 outside ``m``."""
     b = tl.load(ptr + offs, mask=m, other=0.0)
-    if FP64:
-        return b.to(tl.float64)
-    return b.to(tl.float32)
+    # one return: compiled Triton rejects a constexpr branch that returns another dtype
+    return b.to(tl.float64 if FP64 else tl.float32)
 
 
 @triton.jit

@@ -117,7 +117,7 @@ def _load_again(ptr, offs, m, FP64: tl.constexpr):
     """``load_upcast`` that the compiler may not merge with an earlier load of the same block:
     the block is re-read instead of held in registers across the reverse sweep."""
     b = tl.load(ptr + offs, mask=m, other=0.0, volatile=True)
-    return b.to(tl.float64) if FP64 else b.to(tl.float32)
+    return b.to(tl.float64 if FP64 else tl.float32)
 
 
 @triton.jit
