@@ -18,6 +18,7 @@ vectors (``v``, column sums) ``[BLOCK_T, 1, NP]``, so every product broadcasts a
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -37,16 +38,20 @@ TILED_CONFIGS = {
 
 
 @triton.jit
-def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Offsets and in-bounds mask ``[BLOCK_T, NP, NP]`` of program ``i_b``'s matrices, and the
-    masks of real rows ``[1, NP, 1]`` and real columns ``[1, 1, NP]``."""
+def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program ``i_b``'s ``[BLOCK_T, NP, NP]`` tile: offsets and in-bounds mask of the inputs
+    (``[T, N, RS]``, rows of ``RS >= N`` entries) and of the output (``[T, N, N]``), and the
+    masks of real rows ``[1, NP, 1]`` and real columns ``[1, 1, NP]``. With ``RS = N`` the two
+    are the same; the launchers pad unaligned rows (``RS > N``) so that they load as vectors.
+    """
     o_t = i_b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     o = tl.arange(0, NP)
     row_ok = o[None, :, None] < N
     col_ok = o[None, None, :] < N
-    offs = o_t[:, None, None] * (N * N) + o[None, :, None] * N + o[None, None, :]
-    m = (o_t[:, None, None] < T) & row_ok & col_ok
-    return offs, m, row_ok, col_ok
+    t_ok = (o_t[:, None, None] < T) & row_ok
+    in_offs = o_t[:, None, None] * (N * RS) + o[None, :, None] * RS + o[None, None, :]
+    out_offs = o_t[:, None, None] * (N * N) + o[None, :, None] * N + o[None, None, :]
+    return in_offs, t_ok & (o[None, None, :] < RS), out_offs, t_ok & col_ok, row_ok, col_ok
 
 
 @triton.jit
@@ -90,15 +95,16 @@ def _scalings(k, u, row_ok, col_ok, n_steps):
 
 @triton.jit
 def sinkhorn_tiled_fwd_kernel(
-    x_ptr, out_ptr,  # contiguous [T, N, N]
+    x_ptr, out_ptr,  # contiguous [T, N, RS], [T, N, N]
     T, iters,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
 ):
-    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
     k, _ = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=2, keep_dims=True))
     u, v = _scalings(k, ones_u, row_ok, col_ok, iters - 1)
-    store_rounded(out_ptr, offs, m, u * k * v)
+    store_rounded(out_ptr, out_offs, out_m, u * k * v)
 
 
 @triton.jit
@@ -131,12 +137,12 @@ def _final_terms(g_ptr, offs, m, k, u, v, FP64: tl.constexpr):
 
 @triton.jit
 def sinkhorn_tiled_bwd_kernel(
-    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
     T, iters,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, SEG: tl.constexpr,
-    SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr, FP64: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
+    SEG: tl.constexpr, SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr, FP64: tl.constexpr,
 ):
-    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
     k, r1 = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(r1)
     slot = tl.arange(0, SEGP)[None, None, :]
@@ -192,19 +198,19 @@ def sinkhorn_tiled_bwd_kernel(
     if RECOMPUTE_R1:
         _, r1 = _first_iteration(_load_again(x_ptr, offs, m, FP64), row_ok, col_ok)
     dx = -k * (acc + rs + r1 * cs)
-    store_rounded(dx_ptr, offs, m, dx)
+    store_rounded(dx_ptr, out_offs, out_m, dx)
 
 
 @triton.jit
 def sinkhorn_tiled_implicit_bwd_kernel(
-    r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
     T,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, CG_TOL: tl.constexpr,
-    FP64: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
+    CG_TOL: tl.constexpr, FP64: tl.constexpr,
 ):
     # The system and the CG loop of sinkhorn_implicit.py, on tiles: A beta = c * beta -
     # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file).
-    offs, m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, BLOCK_T)
+    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
     r = load_upcast(r_ptr, offs, m, FP64)
     g = load_upcast(g_ptr, offs, m, FP64)
     row_sums = tl.sum(r, axis=2, keep_dims=True)
@@ -235,7 +241,7 @@ def sinkhorn_tiled_implicit_bwd_kernel(
         rr = rr_new
 
     u = (s_r - tl.sum(r * beta, axis=2, keep_dims=True)) / tl.where(row_ok, row_sums, 1.0)
-    store_rounded(dx_ptr, offs, m, r * (g - u - beta))
+    store_rounded(dx_ptr, out_offs, out_m, r * (g - u - beta))
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -245,24 +251,43 @@ def _config(n: int, kind: str) -> tuple:
     return TILED_CONFIGS[max(8, next_pow2(n))][kind]
 
 
+def row_stride(n: int, element_size: int) -> int:
+    """Entries per row of the inputs the kernels read: ``n``, or ``n`` rounded up to 16 bytes
+    where rows of ``n`` entries are not 8-byte aligned (fp32: odd ``n``). Such rows cannot be
+    loaded even as pairs, and the compiler then lays the whole kernel out for scalar loads (H100,
+    fp32, forward + exact backward: n = 9 42x -> 29x the clone, n = 33 94x -> 40x, with the copy
+    that pads them). Rows of 8 bytes (n = 6, 10) load as pairs and were slower padded."""
+    if n * element_size % 8 == 0:
+        return n
+    per_vector = max(1, 16 // element_size)
+    return -(-n // per_vector) * per_vector
+
+
 def _operands(*tensors: torch.Tensor):
-    """Shape checks; the inputs made contiguous and an empty output like the first. ``T``, ``n``."""
+    """Shape checks; the inputs as contiguous ``[T, n, rs]`` (rows zero-padded to ``rs =
+    row_stride(n)`` entries where that is more than ``n``: one copy each) and an empty
+    ``[T, n, n]`` output. ``T``, ``n``, ``rs``."""
     T, n, _ = tensors[0].shape
     assert 1 <= n <= MAX_N and all(t.shape == tensors[0].shape for t in tensors)
-    tensors = [t.contiguous() for t in tensors]
-    return T, n, (*tensors, torch.empty_like(tensors[0]))
+    rs = row_stride(n, tensors[0].element_size())
+    if rs == n:
+        inputs = [t.contiguous() for t in tensors]
+    else:
+        inputs = [F.pad(t, (0, rs - n)) for t in tensors]
+    out = torch.empty(T, n, n, device=tensors[0].device, dtype=tensors[0].dtype)
+    return T, n, rs, (*inputs, out)
 
 
 def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype."""
-    T, n, (logits, out) = _operands(logits)
+    T, n, rs, (logits, out) = _operands(logits)
     assert iters >= 1
     if T == 0:
         return out
     block_t, num_warps = _config(n, "fwd")
     sinkhorn_tiled_fwd_kernel[(triton.cdiv(T, block_t),)](
         logits, out, T, iters,
-        N=n, NP=next_pow2(n), BLOCK_T=block_t, FP64=logits.dtype == torch.float64,
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, FP64=logits.dtype == torch.float64,
         num_warps=num_warps,
     )
     return out
@@ -270,14 +295,14 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
-    T, n, (logits, grad_out, grad_in) = _operands(logits, grad_out)
+    T, n, rs, (logits, grad_out, grad_in) = _operands(logits, grad_out)
     assert iters >= 1
     if T == 0:
         return grad_in
     block_t, num_warps, seg, recompute_r1 = _config(n, "bwd")
     sinkhorn_tiled_bwd_kernel[(triton.cdiv(T, block_t),)](
         logits, grad_out, grad_in, T, iters,
-        N=n, NP=next_pow2(n), BLOCK_T=block_t, SEG=seg, SEGP=next_pow2(seg + 1),
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, SEG=seg, SEGP=next_pow2(seg + 1),
         RECOMPUTE_R1=recompute_r1, FP64=logits.dtype == torch.float64, num_warps=num_warps,
     )
     return grad_in
@@ -285,13 +310,13 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
 
 def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad."""
-    T, n, (out, grad_out, grad_in) = _operands(out, grad_out)
+    T, n, rs, (out, grad_out, grad_in) = _operands(out, grad_out)
     if T == 0:
         return grad_in
     block_t, num_warps = _config(n, "implicit")
     sinkhorn_tiled_implicit_bwd_kernel[(triton.cdiv(T, block_t),)](
         out, grad_out, grad_in, T,
-        N=n, NP=next_pow2(n), BLOCK_T=block_t, FP64=out.dtype == torch.float64,
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, FP64=out.dtype == torch.float64,
         CG_TOL=1e-13 if out.dtype == torch.float64 else 1e-6, num_warps=num_warps,
     )
     return grad_in
