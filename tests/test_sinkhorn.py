@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import mhc
 import mhc.kernels
 from mhc import reference
+from mhc.kernels import sinkhorn_tiled
 from mhc.layer import FusedMHC, sinkhorn
 from tests.conftest import KERNEL_DEVICE
 
@@ -160,8 +161,6 @@ def test_exact_gradient_large_n_segments(n, iters, nan_poison):
 def test_tiled_kernels_with_padded_rows(n, dtype, nan_poison):
     # Rows that are not 8-byte aligned are zero-padded to 16 bytes before the tiled kernels read
     # them (fp32 n = 9, bf16 n = 9, 10); the others are read in place. Outputs are [T, n, n].
-    from mhc.kernels import sinkhorn_tiled
-
     padded = {(9, torch.float32), (9, torch.bfloat16), (10, torch.bfloat16)}
     assert (sinkhorn_tiled.row_stride(n, dtype.itemsize) > n) == ((n, dtype) in padded)
 
