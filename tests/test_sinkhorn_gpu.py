@@ -1,9 +1,14 @@
 """Full-size checks of the compiled kernels; run on a CUDA GPU (skipped elsewhere)."""
 
+import math
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mhc import reference
+from mhc.kernels._tiles import reciprocal
 from mhc.layer import sinkhorn
 
 pytestmark = pytest.mark.gpu
@@ -79,3 +84,22 @@ def test_bf16_and_fp16_on_gpu():
         assert (out.double() - want).abs().max() <= 2 * rounding
         out.backward(torch.randn_like(out))
         assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
+@triton.jit
+def _reciprocal_kernel(x_ptr, out_ptr, size, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < size
+    tl.store(out_ptr + offs, reciprocal(tl.load(x_ptr + offs, mask=m, other=1.0)), mask=m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reciprocal_over_the_range_of_sinkhorn_sums(dtype):
+    # The kernels' 1 / x (fp32: the square of the hardware rsqrt) over every divisor a step can
+    # meet, [1 / n^2, n] for n <= 64 (docs/sinkhorn.md), log-uniform, against the exact value.
+    x = torch.exp(torch.empty(2**22, device="cuda", dtype=torch.float64).uniform_(-math.log(4096), math.log(64)))
+    x = x.to(dtype)
+    out = torch.empty_like(x)
+    _reciprocal_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    rel = ((out.double() - 1 / x.double()) * x.double()).abs().max().item()
+    assert rel < (4e-7 if dtype == torch.float32 else 1e-15)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
-    next_pow2,
+    next_pow2, reciprocal,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_bwd, sinkhorn_tiled_fwd
 
@@ -50,7 +50,7 @@ def _first_iteration(x, col_ok, N: tl.constexpr):
         row_max = tl.max(y, axis=1, keep_dims=True)
         e = tl.exp(y - row_max)
         row_sum = tl.sum(e, axis=1, keep_dims=True)
-        k = k + (e * (1.0 / row_sum),)
+        k = k + (e * reciprocal(row_sum),)
         r1 = r1 + (tl.exp(row_max) * row_sum,)
     return k, r1
 
@@ -61,7 +61,7 @@ def _col_scaling(k, u, col_ok, N: tl.constexpr):
     s = k[0] * u[0]
     for i in tl.static_range(1, N):
         s += k[i] * u[i]
-    return tl.where(col_ok, 1.0 / tl.where(col_ok, s, 1.0), 0.0)
+    return tl.where(col_ok, reciprocal(tl.where(col_ok, s, 1.0)), 0.0)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _row_scaling(k, v, N: tl.constexpr):
     """Row step ``u = 1 / (K v)``: ``N`` values ``[B, 1]``."""
     u = ()
     for i in tl.static_range(N):
-        u = u + (1.0 / tl.sum(k[i] * v, axis=1, keep_dims=True),)
+        u = u + (reciprocal(tl.sum(k[i] * v, axis=1, keep_dims=True)),)
     return u
 
 

@@ -50,7 +50,7 @@ def sinkhorn_implicit_bwd_kernel(
     # is orthogonal to the null vector 1; in fp32 rounding leaks into it and CG amplifies the leak,
     # so the right-hand side and each residual are re-centred.
     beta = tl.zeros_like(rhs)
-    res = centered(rhs, col_ok, N)
+    res = centered(rhs, tl.sum(rhs, axis=1, keep_dims=True), col_ok, N)
     p = res
     rr = tl.sum(res * res, axis=1, keep_dims=True)
     for i_cg in range(N):
@@ -60,7 +60,8 @@ def sinkhorn_implicit_bwd_kernel(
         pap = tl.sum(p * ap, axis=1, keep_dims=True)
         alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
         beta += alpha * p
-        res = centered(res - alpha * ap, col_ok, N)
+        res = res - alpha * ap
+        res = centered(res, tl.sum(res, axis=1, keep_dims=True), col_ok, N)
         rr_new = tl.sum(res * res, axis=1, keep_dims=True)
         gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
         p = res + gamma * p

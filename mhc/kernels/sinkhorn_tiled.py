@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, store_rounded
+from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
 # (BLOCK_T, num_warps); bwd (BLOCK_T, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
@@ -65,7 +65,7 @@ def _first_iteration(x, row_ok, col_ok):
     row_max = tl.where(row_ok, tl.max(y, axis=2, keep_dims=True), 0.0)
     e = tl.exp(y - row_max)
     row_sum = tl.sum(e, axis=2, keep_dims=True)
-    k = e / tl.where(row_ok, row_sum, 1.0)
+    k = e * reciprocal(tl.where(row_ok, row_sum, 1.0))
     return k, tl.exp(row_max) * row_sum
 
 
@@ -73,14 +73,14 @@ def _first_iteration(x, row_ok, col_ok):
 def _col_scaling(k, u, col_ok):
     """Column step ``v = 1 / (K^T u)``: ``[B, 1, NP]``, 0 on padded columns."""
     s = tl.sum(k * u, axis=1, keep_dims=True)
-    return tl.where(col_ok, 1.0 / tl.where(col_ok, s, 1.0), 0.0)
+    return tl.where(col_ok, reciprocal(tl.where(col_ok, s, 1.0)), 0.0)
 
 
 @triton.jit
 def _row_scaling(k, v, row_ok):
     """Row step ``u = 1 / (K v)``: ``[B, NP, 1]``, 0 on padded rows."""
     s = tl.sum(k * v, axis=2, keep_dims=True)
-    return tl.where(row_ok, 1.0 / tl.where(row_ok, s, 1.0), 0.0)
+    return tl.where(row_ok, reciprocal(tl.where(row_ok, s, 1.0)), 0.0)
 
 
 @triton.jit
@@ -184,7 +184,7 @@ def sinkhorn_tiled_bwd_kernel(
             # column step's v_k = 1 / (K^T u_p) in one reduction over the rows
             a = rs * u_k
             col_sums, k_a = tl.reduce((k * u_p, k * a), 1, _add_pairs, keep_dims=True)
-            v_k = tl.where(col_ok, 1.0 / tl.where(col_ok, col_sums, 1.0), 0.0)
+            v_k = tl.where(col_ok, reciprocal(tl.where(col_ok, col_sums, 1.0)), 0.0)
             cs = cs - v_k * k_a
             # column step on M = diag(u_p) K diag(v_k): beta = cs
             bv = cs * v_k
@@ -221,7 +221,7 @@ def sinkhorn_tiled_implicit_bwd_kernel(
     rhs = tl.sum(s, axis=1, keep_dims=True) - tl.sum(rn * s_r, axis=1, keep_dims=True)
 
     beta = tl.zeros_like(rhs)
-    res = centered(rhs, col_ok, N)
+    res = centered(rhs, tl.sum(rhs, axis=2, keep_dims=True), col_ok, N)
     p = res
     rr = tl.sum(res * res, axis=2, keep_dims=True)
     # At most N steps (exact in exact arithmetic); stop once every residual of the tile is below
@@ -234,7 +234,8 @@ def sinkhorn_tiled_implicit_bwd_kernel(
         pap = tl.sum(p * ap, axis=2, keep_dims=True)
         alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
         beta += alpha * p
-        res = centered(res - alpha * ap, col_ok, N)
+        res = res - alpha * ap
+        res = centered(res, tl.sum(res, axis=2, keep_dims=True), col_ok, N)
         rr_new = tl.sum(res * res, axis=2, keep_dims=True)
         gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
         p = res + gamma * p
