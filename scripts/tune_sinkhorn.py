@@ -1,10 +1,12 @@
 """Development tool for the Sinkhorn kernels on a CUDA GPU (one run, one table per section).
 
-    python scripts/tune_sinkhorn.py [tiles | tiles=bwd,implicit] [layout] [ir] [compile]
+    python scripts/tune_sinkhorn.py [tiles | tiles=bwd,implicit[:FILE]] [layout] [ir] [compile]
 
-- ``tiles``: the tiled kernels' ``(BLOCK_T, num_warps[, SEG, RECOMPUTE_R1])`` over a grid of choices, per
-  ``NP`` class (n = 8, 16, 32, 64) at 256 MiB of fp32 logits, 20 iterations; each row is one
-  kernel's median time (``do_bench``) against the clone of the logits;
+- ``tiles``: the tiled kernels' ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` over a grid of
+  choices (``candidates``, or the ones a JSON-lines FILE lists), per ``NP`` class (n = 8, 16, 32,
+  64) at 256 MiB of fp32 logits, 20 iterations; each row is one kernel's median time
+  (``do_bench``) against the clone of the logits, with its registers and spills; ``*`` marks the
+  configuration in the source;
 - ``layout``: per-row kernels (``sinkhorn.py``) against the tiled ones at n = 4..16, with the
   configurations in the source: where the ``TILED_MIN_N`` switch belongs;
 - ``ir``: registers, spills and layout conversions of each tiled kernel per n, as compiled;
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,11 +42,37 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def _tiles_for(np2: int, values_per_thread: int, num_warps: int) -> int:
-    return max(1, values_per_thread * 32 * num_warps // (np2 * np2))
+def candidates(np2: int, kind: str):
+    """Configurations ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` of ``TILED_CONFIGS`` with 8
+    to 128 (forward) or 64 (backward) tile entries per thread."""
+    for warps in (1, 2, 4):
+        for block_t in (1, 2, 4, 8, 16, 32, 64, 128):
+            per_thread = block_t * np2 * np2 // (32 * warps)
+            if not 8 <= per_thread <= (128 if kind == "fwd" else 64):
+                continue
+            for ri in (r for r in (1, 2, 4, 8, 16) if r <= np2):
+                if kind == "bwd":
+                    for seg in ((7, 15) if np2 <= 16 else (15, 19)):
+                        yield (block_t, ri, warps, seg, False)
+                else:
+                    yield (block_t, ri, warps)
 
 
-def tiles(only: str = "fwd,bwd,implicit"):
+def _compiled(kernel):
+    """The last compiled version of a Triton kernel (registers, spills, IR)."""
+    return [c for cache in kernel.device_caches.values() for c in cache[0].values()][-1]
+
+
+def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
+    """Time every configuration of ``candidates`` per NP class, or those listed in a JSON-lines
+    file (``{"np": 64, "kind": "fwd", "cfg": [1, 4, 1]}`` per line, e.g. from a compile sweep)."""
+    chosen = None
+    if listed:
+        chosen = {}
+        with open(listed) as f:
+            for line in f:
+                row = json.loads(line)
+                chosen.setdefault((row["np"], row["kind"]), []).append(tuple(row["cfg"]))
     for n in (8, 16, 32, 64):
         x = _logits(n)
         g = torch.randn_like(x)
@@ -53,31 +82,30 @@ def tiles(only: str = "fwd,bwd,implicit"):
         config = sinkhorn_tiled.TILED_CONFIGS[n]
         saved = dict(config)
         kinds = {
-            "fwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_fwd(x, ITERS), [()]),
-            "bwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_bwd(x, g, ITERS),
-                    [(7, False), (15, False), (19, False), (19, True)]),
-            "implicit": (lambda: sinkhorn_tiled.sinkhorn_tiled_implicit_bwd(out, g), [()]),
+            "fwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_fwd(x, ITERS), sinkhorn_tiled.sinkhorn_tiled_fwd_kernel),
+            "bwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_bwd(x, g, ITERS), sinkhorn_tiled.sinkhorn_tiled_bwd_kernel),
+            "implicit": (lambda: sinkhorn_tiled.sinkhorn_tiled_implicit_bwd(out, g),
+                         sinkhorn_tiled.sinkhorn_tiled_implicit_bwd_kernel),
         }
-        for kind, (call, extras) in kinds.items():
+        for kind, (call, kernel) in kinds.items():
             if kind not in only.split(","):
                 continue
+            cfgs = candidates(n, kind) if chosen is None else chosen.get((n, kind), [])
             results = []
-            for vpt in (32, 64, 128):
-                for warps in (1, 2, 4):
-                    block_t = _tiles_for(n, vpt, warps)
-                    if block_t * n * n > 128 * 32 * warps:
-                        continue
-                    for extra in extras:
-                        config[kind] = (block_t, warps, *extra)
-                        try:
-                            ms = _ms(call)
-                        except Exception as exc:  # noqa: BLE001 - a config may not compile
-                            print(f"  {kind} {config[kind]}: {type(exc).__name__}", flush=True)
-                            continue
-                        results.append((ms, config[kind]))
+            for cfg in dict.fromkeys([saved[kind], *cfgs]):
+                config[kind] = cfg
+                try:
+                    ms = _ms(call)
+                except Exception as exc:  # noqa: BLE001 - a config may not compile
+                    print(f"  {kind} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                c = _compiled(kernel)
+                results.append((ms, cfg, c.n_regs, c.n_spills))
             config[kind] = saved[kind]
-            for ms, cfg in sorted(results)[:6]:
-                print(f"  {kind:9s} {str(cfg):14s} {ms:8.3f} ms ({ms / clone:5.2f}x clone)", flush=True)
+            for ms, cfg, regs, spills in sorted(results)[:8]:
+                mark = "*" if cfg == saved[kind] else " "
+                print(f" {mark}{kind:9s} {str(cfg):22s} {ms:8.3f} ms ({ms / clone:5.2f}x clone) "
+                      f"regs {regs} spills {spills}", flush=True)
 
 
 def layout():
@@ -117,7 +145,7 @@ def ir():
         for kind, launch in launches.items():
             launch()
             try:
-                c = [c for cache in kernels_[kind].device_caches.values() for c in cache[0].values()][-1]
+                c = _compiled(kernels_[kind])
             except (AttributeError, IndexError, KeyError, TypeError) as exc:
                 print(f"  ir n={n} {kind}: no compiled kernel found ({exc!r})")
                 continue
@@ -150,6 +178,7 @@ if __name__ == "__main__":
         if arg.startswith("first-call="):
             _first_call(int(arg.split("=")[1]))
         elif arg.startswith("tiles="):
-            tiles(arg.split("=")[1])
+            kinds, _, listed = arg.split("=")[1].partition(":")
+            tiles(kinds, listed or None)
         else:
             {"tiles": tiles, "layout": layout, "ir": ir, "compile": compile_times}[arg]()

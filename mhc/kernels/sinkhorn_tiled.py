@@ -1,20 +1,32 @@
-"""Sinkhorn kernels for many lanes (n = 5..64): matrices as ``[BLOCK_T, NP, NP]`` tiles.
+"""Sinkhorn kernels for many lanes (n = 7..64): matrices as 5-D ``[BLOCK_T, RI, CB, RO, 4]`` tiles.
 
 The same maths as ``sinkhorn.py`` (forward, exact backward) and ``sinkhorn_implicit.py``, laid out
-for larger ``n``: a program holds ``BLOCK_T`` whole matrices as one 3-D tile (``NP = next_pow2(n)``,
-padding masked), row and column reductions are ``tl.sum`` over an axis, and every loop (Sinkhorn
-iterations, reverse steps, CG steps) is a runtime loop. Nothing is unrolled per row, so code size
-and compile time do not grow with ``n`` and the iteration count is not a compile-time constant.
-For ``n = 32, 64`` a program holds one matrix spread over all its warps; for small ``n`` several.
+for larger ``n``: a program holds ``BLOCK_T`` whole matrices as one tile (``NP = next_pow2(n)``,
+padding masked), row and column reductions are ``tl.sum`` over the tile's row or column axes, and
+every loop (Sinkhorn iterations, reverse steps, CG steps) is a runtime loop. Nothing is unrolled
+per row, so code size and compile time do not grow with ``n`` and the iteration count is not a
+compile-time constant.
+
+The tile's shape chooses which entries a thread holds. Entry ``(t, ri, cb, ro, c)`` is row
+``ri * RO + ro``, column ``4 * cb + c`` of matrix ``t`` (``RI * RO = NP``, ``CB = NP / 4``).
+Triton lays a load out with 16-byte vectors on the last axis, then hands out a warp's lanes and
+the program's warps to axes 0, 1, 2, 3 in that order, each taking as many as its size allows;
+what is left of an axis stays in the thread. So ``BLOCK_T`` and ``RI`` (``TILED_CONFIGS``) decide
+how many of a matrix's rows and columns share a thread: a row reduction crosses the lanes on
+``CB``, a column reduction those on ``RI`` (and on ``BLOCK_T``, never). At n = 64 the forward gives
+each thread a 16 x 8 block (``RI = 4``: lanes 4 x 8, one warp per matrix), where a tile with its
+rows alone split would put 16 rows x 4 columns on a thread and send every row sum through 16
+lanes (H100, fp32: forward 2.4x -> 1.7x the clone).
 
 The exact backward recomputes the row scalings from the logits and keeps those of ``SEG``
-iterations as a ``[BLOCK_T, NP, SEGP]`` register tile, written and read by a one-hot select along
-the last axis (Triton has no dynamic register indexing). Runs longer than ``SEG`` iterations are
-split into segments, each recomputed from the first iteration. Nothing but the logits is saved
-between forward and backward. ``docs/sinkhorn.md`` derives the recursion and gives the speed.
+iterations as a history tile ``[BLOCK_T, RI, SEGP / 4, RO, 4]`` (slot ``4 * i + j`` on the column
+axes), written and read by a one-hot select (Triton has no dynamic register indexing). Runs
+longer than ``SEG`` iterations are split into segments, each recomputed from the first iteration.
+Nothing but the logits is saved between forward and backward. ``docs/sinkhorn.md`` derives the
+recursion and gives the speed.
 
-Vectors keep their tile axes: row vectors (``u``, row sums) are ``[BLOCK_T, NP, 1]``, column
-vectors (``v``, column sums) ``[BLOCK_T, 1, NP]``, so every product broadcasts against the tile.
+Vectors keep the tile's axes: row vectors (``u``, row sums) are ``[BLOCK_T, RI, 1, RO, 1]``, column
+vectors (``v``, column sums) ``[BLOCK_T, 1, CB, 1, 4]``, so every product broadcasts against the tile.
 """
 
 import torch
@@ -25,68 +37,109 @@ import triton.language as tl
 from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
-# (BLOCK_T, num_warps); bwd (BLOCK_T, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
+# (BLOCK_T, RI, num_warps); bwd (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
 # iterations whose row scalings the exact backward holds on chip; RECOMPUTE_R1 trades a second
 # read of the logits for the registers of the first iteration's row sums.
-# Few warps per program win: reductions then stay within a warp (no shared-memory round trips).
 TILED_CONFIGS = {
-    8: dict(fwd=(64, 2), bwd=(16, 1, 7, False), implicit=(16, 1)),
-    16: dict(fwd=(16, 2), bwd=(4, 1, 15, False), implicit=(4, 1)),
-    32: dict(fwd=(2, 1), bwd=(1, 1, 19, False), implicit=(1, 1)),
-    64: dict(fwd=(1, 2), bwd=(1, 2, 19, True), implicit=(1, 2)),
+    8: dict(fwd=(16, 1, 1), bwd=(32, 1, 1, 7, False), implicit=(16, 1, 1)),
+    16: dict(fwd=(8, 2, 1), bwd=(8, 2, 1, 7, False), implicit=(4, 2, 1)),
+    32: dict(fwd=(2, 2, 1), bwd=(2, 4, 1, 15, False), implicit=(1, 4, 1)),
+    64: dict(fwd=(1, 4, 1), bwd=(1, 16, 2, 19, False), implicit=(1, 1, 4)),
 }
+VEC = tl.constexpr(4)  # columns per vector: the tile's last axis
 
 
 @triton.jit
-def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program ``i_b``'s ``[BLOCK_T, NP, NP]`` tile: offsets and in-bounds mask of the inputs
-    (``[T, N, RS]``, rows of ``RS >= N`` entries) and of the output (``[T, N, N]``), and the
-    masks of real rows ``[1, NP, 1]`` and real columns ``[1, 1, NP]``. With ``RS = N`` the two
-    are the same; the launchers pad unaligned rows (``RS > N``) so that they load as vectors.
+def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
+          RI: tl.constexpr):
+    """Program ``i_b``'s ``[BLOCK_T, RI, CB, RO, 4]`` tile: where its first matrix starts in the
+    inputs (``[T, N, RS]``, rows of ``RS >= N`` entries) and in the output (``[T, N, N]``), int64;
+    the int32 offsets from there and the in-bounds masks of both; the masks of real rows
+    ``[1, RI, 1, RO, 1]`` and real columns ``[1, 1, CB, 1, 4]``. With ``RS = N`` inputs and output
+    are laid out alike; the launchers pad unaligned rows (``RS > N``) so that they load as vectors.
     """
-    o_t = i_b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    o = tl.arange(0, NP)
-    row_ok = o[None, :, None] < N
-    col_ok = o[None, None, :] < N
-    t_ok = (o_t[:, None, None] < T) & row_ok
-    in_offs = o_t[:, None, None] * (N * RS) + o[None, :, None] * RS + o[None, None, :]
-    out_offs = o_t[:, None, None] * (N * N) + o[None, :, None] * N + o[None, None, :]
-    return in_offs, t_ok & (o[None, None, :] < RS), out_offs, t_ok & col_ok, row_ok, col_ok
+    RO: tl.constexpr = NP // RI
+    CB: tl.constexpr = NP // VEC
+    t0 = i_b.to(tl.int64) * BLOCK_T
+    t = tl.arange(0, BLOCK_T)[:, None, None, None, None]
+    row = (tl.arange(0, RI)[:, None] * RO + tl.arange(0, RO)[None, :])[None, :, None, :, None]
+    col = (tl.arange(0, CB)[:, None] * VEC + tl.arange(0, VEC)[None, :])[None, None, :, None, :]
+    row_ok = row < N
+    col_ok = col < N
+    t_ok = (t < T - t0) & row_ok
+    in_offs = t * (N * RS) + row * RS + col
+    out_offs = t * (N * N) + row * N + col
+    return (t0 * (N * RS), in_offs, t_ok & (col < RS), t0 * (N * N), out_offs, t_ok & col_ok,
+            row_ok, col_ok)
+
+
+@triton.jit
+def _sum_over_cols(x):
+    """Sums along rows: ``[B, RI, CB, RO, 4]`` -> row vector ``[B, RI, 1, RO, 1]``."""
+    return tl.sum(tl.sum(x, axis=4, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _sum_over_rows(x):
+    """Sums along columns: ``[B, RI, CB, RO, 4]`` -> column vector ``[B, 1, CB, 1, 4]``."""
+    return tl.sum(tl.sum(x, axis=3, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _max_over_cols(x):
+    return tl.max(tl.max(x, axis=4, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _max_over_rows(x):
+    return tl.max(tl.max(x, axis=3, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _pair_over_rows(a, b):
+    """``_sum_over_rows`` of two tiles in one reduction."""
+    a, b = tl.reduce((a, b), 3, _add_pairs, keep_dims=True)
+    return tl.reduce((a, b), 1, _add_pairs, keep_dims=True)
 
 
 @triton.jit
 def _first_iteration(x, row_ok, col_ok):
     """Column then row normalisation of ``exp(x)`` in the log domain: ``K`` (rows sum to one, 0 on
-    padding) and ``r1 [B, NP, 1]``, the row sums of the column-normalised iterate."""
+    padding) and ``r1``, the row sums of the column-normalised iterate (a row vector)."""
     x = tl.where(row_ok & col_ok, x, float("-inf"))
-    col_max = tl.where(col_ok, tl.max(x, axis=1, keep_dims=True), 0.0)
-    col_sum = tl.sum(tl.exp(x - col_max), axis=1, keep_dims=True)
+    col_max = tl.where(col_ok, _max_over_rows(x), 0.0)
+    col_sum = _sum_over_rows(tl.exp(x - col_max))
     y = x - (col_max + tl.log(tl.where(col_ok, col_sum, 1.0)))
-    row_max = tl.where(row_ok, tl.max(y, axis=2, keep_dims=True), 0.0)
+    row_max = tl.where(row_ok, _max_over_cols(y), 0.0)
     e = tl.exp(y - row_max)
-    row_sum = tl.sum(e, axis=2, keep_dims=True)
+    row_sum = _sum_over_cols(e)
     k = e * reciprocal(tl.where(row_ok, row_sum, 1.0))
     return k, tl.exp(row_max) * row_sum
 
 
 @triton.jit
 def _col_scaling(k, u, col_ok):
-    """Column step ``v = 1 / (K^T u)``: ``[B, 1, NP]``, 0 on padded columns."""
-    s = tl.sum(k * u, axis=1, keep_dims=True)
+    """Column step ``v = 1 / (K^T u)``: a column vector, 0 on padded columns."""
+    s = _sum_over_rows(k * u)
     return tl.where(col_ok, reciprocal(tl.where(col_ok, s, 1.0)), 0.0)
 
 
 @triton.jit
 def _row_scaling(k, v, row_ok):
-    """Row step ``u = 1 / (K v)``: ``[B, NP, 1]``, 0 on padded rows."""
-    s = tl.sum(k * v, axis=2, keep_dims=True)
+    """Row step ``u = 1 / (K v)``: a row vector, 0 on padded rows."""
+    s = _sum_over_cols(k * v)
     return tl.where(row_ok, reciprocal(tl.where(row_ok, s, 1.0)), 0.0)
 
 
 @triton.jit
 def _scalings(k, u, row_ok, col_ok, n_steps):
     """``n_steps`` multiplicative iterations (column then row step) from the row scaling ``u``."""
-    v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
+    v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(_sum_over_rows(k))
     for _ in range(n_steps):
         v = _col_scaling(k, u, col_ok)
         u = _row_scaling(k, v, row_ok)
@@ -98,24 +151,30 @@ def sinkhorn_tiled_fwd_kernel(
     x_ptr, out_ptr,  # contiguous [T, N, RS], [T, N, N]
     T, iters,
     N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    FP64: tl.constexpr,
+    RI: tl.constexpr, FP64: tl.constexpr,
 ):
-    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
+        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    x_ptr += in_base
+    out_ptr += out_base
     k, _ = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
-    ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=2, keep_dims=True))
+    ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(_sum_over_cols(k))
     u, v = _scalings(k, ones_u, row_ok, col_ok, iters - 1)
     store_rounded(out_ptr, out_offs, out_m, u * k * v)
 
 
 @triton.jit
-def _pick(hist, slot, h):
-    """Entry ``h`` of a history tile ``[B, NP, SEGP]``: ``[B, NP, 1]``."""
-    return tl.sum(tl.where(slot == h, hist, 0.0), axis=2, keep_dims=True)
+def _history_slots(SEGP: tl.constexpr):
+    """Slot numbers of a history tile ``[1, 1, SEGP / 4, 1, 4]``: the column axes hold the slots."""
+    i = tl.arange(0, SEGP // VEC)[None, None, :, None, None]
+    j = tl.arange(0, VEC)[None, None, None, None, :]
+    return i * VEC + j
 
 
 @triton.jit
-def _add_pairs(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
+def _pick(hist, slot, h):
+    """Slot ``h`` of a history tile: a row vector."""
+    return _sum_over_cols(tl.where(slot == h, hist, 0.0))
 
 
 @triton.jit
@@ -132,7 +191,43 @@ def _final_terms(g_ptr, offs, m, k, u, v, FP64: tl.constexpr):
     of ``G * P`` and the accumulator's first term ``-G * u v^T`` (``G`` read here)."""
     g_uv = load_upcast(g_ptr, offs, m, FP64) * (u * v)
     d = g_uv * k
-    return tl.sum(d, axis=2, keep_dims=True), tl.sum(d, axis=1, keep_dims=True), -g_uv
+    return _sum_over_cols(d), _sum_over_rows(d), -g_uv
+
+
+@triton.jit
+def _segment_history(k, ones_u, slot, row_ok, col_ok, start, h_lo, SEG: tl.constexpr):
+    """Row scalings of one segment of the exact backward: ``start + h_lo`` iterations from ``u = 1``,
+    then ``SEG - h_lo`` more, slot ``h`` of the history holding ``u`` after ``start + h`` of them.
+    Returns the last ``u``, ``v`` and the history."""
+    u, v = _scalings(k, ones_u, row_ok, col_ok, start + h_lo)
+    hist = tl.where(slot == h_lo, u, 0.0)
+    for h in range(h_lo, SEG):
+        v = _col_scaling(k, u, col_ok)
+        u = _row_scaling(k, v, row_ok)
+        hist = tl.where(slot == h + 1, u, hist)
+    return u, v, hist
+
+
+@triton.jit
+def _reverse_segment(k, hist, slot, u_k, rs, cs, acc, col_ok, h_lo, SEG: tl.constexpr):
+    """The reverse sweep over one segment's iterations (``SEG - h_lo`` of them, from the last),
+    from the row scaling ``u_k`` after its last iteration. Returns ``rs, cs, acc``."""
+    for j in range(SEG - h_lo):
+        u_p = _pick(hist, slot, SEG - 1 - j)
+        # row step on M = diag(u_k) K diag(v_k): alpha = rs; its column sums and the column
+        # step's v_k = 1 / (K^T u_p) in one reduction over the rows
+        a = rs * u_k
+        col_sums, k_a = _pair_over_rows(k * u_p, k * a)
+        v_k = tl.where(col_ok, reciprocal(tl.where(col_ok, col_sums, 1.0)), 0.0)
+        cs = cs - v_k * k_a
+        # column step on M = diag(u_p) K diag(v_k): beta = cs
+        bv = cs * v_k
+        rs = -u_p * _sum_over_cols(k * bv)
+        acc += a * v_k  # two statements: two fused multiply-adds
+        acc += u_p * bv
+        cs = tl.zeros_like(cs)
+        u_k = u_p
+    return rs, cs, acc
 
 
 @triton.jit
@@ -140,61 +235,42 @@ def sinkhorn_tiled_bwd_kernel(
     x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
     T, iters,
     N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    SEG: tl.constexpr, SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr, FP64: tl.constexpr,
+    RI: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr,
+    FP64: tl.constexpr,
 ):
-    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
+        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    x_ptr += in_base
+    g_ptr += in_base
+    dx_ptr += out_base
     k, r1 = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
     ones_u = tl.where(row_ok, 1.0, 0.0) + tl.zeros_like(r1)
-    slot = tl.arange(0, SEGP)[None, None, :]
+    slot = _history_slots(SEGP)
 
     # The iters - 1 multiplicative iterations (numbered 2..iters) run as n_seg segments of SEG,
     # the first one short by pad. The row / column sums (rs, cs) of dL/dlog(iterate) at the
-    # current reverse position are set here for iters == 1 and by the last segment otherwise.
-    # acc starts as -G * u_t v_t^T (u_t, v_t: the final scalings, P = u_t K v_t) and collects
-    # the reverse steps' outer products, so that dL/dlog(M_1) = -K * acc. Neither the final
-    # scalings nor G stay in registers to the end: the reverse sweep needs them (n = 8 to 32:
-    # 209-223 -> 168 registers per thread). G is read once, where the reverse sweep starts (in
-    # the last segment, or here for iters == 1). With RECOMPUTE_R1 the first iteration's row
-    # sums are recomputed at the end instead of held (n = 64: 66 -> 14 spilled registers).
+    # current reverse position start from the final iterate P = u_t K v_t, and acc starts as
+    # -G * u_t v_t^T and collects the reverse steps' outer products, so that dL/dlog(M_1) =
+    # -K * acc. G is read once, where the reverse sweep starts (in the last segment, which runs
+    # first); neither it nor the final scalings stay in registers to the end. With RECOMPUTE_R1
+    # the first iteration's row sums are recomputed at the end instead of held.
     mult = iters - 1
     n_seg = (mult + SEG - 1) // SEG
     pad = n_seg * SEG - mult
-    ones_v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(tl.sum(k, axis=1, keep_dims=True))
+    ones_v = tl.where(col_ok, 1.0, 0.0) + tl.zeros_like(_sum_over_rows(k))
     rs, cs, acc = tl.zeros_like(ones_u), tl.zeros_like(ones_v), tl.zeros_like(k)
     if n_seg == 0:  # iters == 1: the final scalings are ones
         rs, cs, acc = _final_terms(g_ptr, offs, m, k, ones_u, ones_v, FP64)
-
     for i_rev in range(n_seg):
-        i_seg = n_seg - 1 - i_rev
-        k_lo = 2 + i_seg * SEG - pad  # first iteration of the segment; below 2 is padding
-        h_lo = tl.maximum(0, 2 - k_lo)
-        u, v = _scalings(k, ones_u, row_ok, col_ok, k_lo - 2 + h_lo)
-        hist = tl.where(slot == h_lo, u, 0.0)  # slot h: u after iteration k_lo - 1 + h
-        for h in range(h_lo, SEG):
-            v = _col_scaling(k, u, col_ok)
-            u = _row_scaling(k, v, row_ok)
-            hist = tl.where(slot == h + 1, u, hist)
+        start = SEG * (n_seg - 1 - i_rev) - pad  # iterations before the segment's first, less 1
+        h_lo = tl.maximum(0, -start)  # slots below h_lo are padding
+        u, v, hist = _segment_history(k, ones_u, slot, row_ok, col_ok, start, h_lo, SEG)
         if i_rev == 0:
             rs, cs, acc = _final_terms(g_ptr, offs, m, k, u, v, FP64)
-
-        u_k = u  # slot SEG
-        for j in range(SEG - h_lo):
-            u_p = _pick(hist, slot, SEG - 1 - j)
-            # row step on M = diag(u_k) K diag(v_k): alpha = rs; its column sums and the
-            # column step's v_k = 1 / (K^T u_p) in one reduction over the rows
-            a = rs * u_k
-            col_sums, k_a = tl.reduce((k * u_p, k * a), 1, _add_pairs, keep_dims=True)
-            v_k = tl.where(col_ok, reciprocal(tl.where(col_ok, col_sums, 1.0)), 0.0)
-            cs = cs - v_k * k_a
-            # column step on M = diag(u_p) K diag(v_k): beta = cs
-            bv = cs * v_k
-            rs = -u_p * tl.sum(k * bv, axis=2, keep_dims=True)
-            acc += a * v_k + u_p * bv
-            cs = tl.zeros_like(cs)
-            u_k = u_p
+        rs, cs, acc = _reverse_segment(k, hist, slot, u, rs, cs, acc, col_ok, h_lo, SEG)
 
     # first iteration: row step on K (u = v = 1), then the column step on M1 = r1 * K
-    cs = cs - tl.sum(k * rs, axis=1, keep_dims=True)
+    cs = cs - _sum_over_rows(k * rs)
     if RECOMPUTE_R1:
         _, r1 = _first_iteration(_load_again(x_ptr, offs, m, FP64), row_ok, col_ok)
     dx = -k * (acc + rs + r1 * cs)
@@ -206,42 +282,47 @@ def sinkhorn_tiled_implicit_bwd_kernel(
     r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
     T,
     N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    CG_TOL: tl.constexpr, FP64: tl.constexpr,
+    RI: tl.constexpr, CG_TOL: tl.constexpr, FP64: tl.constexpr,
 ):
     # The system and the CG loop of sinkhorn_implicit.py, on tiles: A beta = c * beta -
-    # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file).
-    offs, m, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T)
+    # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file). The
+    # CG vectors are column vectors; their dot products sum over the columns.
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
+        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    r_ptr += in_base
+    g_ptr += in_base
+    dx_ptr += out_base
     r = load_upcast(r_ptr, offs, m, FP64)
     g = load_upcast(g_ptr, offs, m, FP64)
-    row_sums = tl.sum(r, axis=2, keep_dims=True)
-    col_sums = tl.sum(r, axis=1, keep_dims=True)
+    row_sums = _sum_over_cols(r)
+    col_sums = _sum_over_rows(r)
     rn = r / tl.where(row_ok, row_sums, 1.0)  # diag(r)^-1 R
     s = r * g
-    s_r = tl.sum(s, axis=2, keep_dims=True)
-    rhs = tl.sum(s, axis=1, keep_dims=True) - tl.sum(rn * s_r, axis=1, keep_dims=True)
+    s_r = _sum_over_cols(s)
+    rhs = _sum_over_rows(s) - _sum_over_rows(rn * s_r)
 
     beta = tl.zeros_like(rhs)
-    res = centered(rhs, tl.sum(rhs, axis=2, keep_dims=True), col_ok, N)
+    res = centered(rhs, _sum_over_cols(rhs), col_ok, N)
     p = res
-    rr = tl.sum(res * res, axis=2, keep_dims=True)
+    rr = _sum_over_cols(res * res)
     # At most N steps (exact in exact arithmetic); stop once every residual of the tile is below
     # CG_TOL of its start, which well-conditioned systems (logits of moderate scale) reach in a few.
     rr_stop = rr * (CG_TOL * CG_TOL)
     i_cg = 0
     while (i_cg < N) & (tl.max(tl.where(rr > rr_stop, 1, 0)) > 0):  # NaN matrices do not count
         i_cg += 1
-        ap = col_sums * p - tl.sum(rn * tl.sum(r * p, axis=2, keep_dims=True), axis=1, keep_dims=True)
-        pap = tl.sum(p * ap, axis=2, keep_dims=True)
+        ap = col_sums * p - _sum_over_rows(rn * _sum_over_cols(r * p))
+        pap = _sum_over_cols(p * ap)
         alpha = tl.where(pap > 0.0, rr / tl.where(pap > 0.0, pap, 1.0), 0.0)
         beta += alpha * p
         res = res - alpha * ap
-        res = centered(res, tl.sum(res, axis=2, keep_dims=True), col_ok, N)
-        rr_new = tl.sum(res * res, axis=2, keep_dims=True)
+        res = centered(res, _sum_over_cols(res), col_ok, N)
+        rr_new = _sum_over_cols(res * res)
         gamma = tl.where(rr > 0.0, rr_new / tl.where(rr > 0.0, rr, 1.0), 0.0)
         p = res + gamma * p
         rr = rr_new
 
-    u = (s_r - tl.sum(r * beta, axis=2, keep_dims=True)) / tl.where(row_ok, row_sums, 1.0)
+    u = (s_r - _sum_over_cols(r * beta)) / tl.where(row_ok, row_sums, 1.0)
     store_rounded(dx_ptr, out_offs, out_m, r * (g - u - beta))
 
 
@@ -285,10 +366,10 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     assert iters >= 1
     if T == 0:
         return out
-    block_t, num_warps = _config(n, "fwd")
+    block_t, ri, num_warps = _config(n, "fwd")
     sinkhorn_tiled_fwd_kernel[(triton.cdiv(T, block_t),)](
         logits, out, T, iters,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, FP64=logits.dtype == torch.float64,
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=logits.dtype == torch.float64,
         num_warps=num_warps,
     )
     return out
@@ -300,11 +381,12 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     assert iters >= 1
     if T == 0:
         return grad_in
-    block_t, num_warps, seg, recompute_r1 = _config(n, "bwd")
+    block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")
     sinkhorn_tiled_bwd_kernel[(triton.cdiv(T, block_t),)](
         logits, grad_out, grad_in, T, iters,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, SEG=seg, SEGP=next_pow2(seg + 1),
-        RECOMPUTE_R1=recompute_r1, FP64=logits.dtype == torch.float64, num_warps=num_warps,
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg,
+        SEGP=max(VEC.value, next_pow2(seg + 1)), RECOMPUTE_R1=recompute_r1,
+        FP64=logits.dtype == torch.float64, num_warps=num_warps,
     )
     return grad_in
 
@@ -314,10 +396,10 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
     T, n, rs, (out, grad_out, grad_in) = _operands(out, grad_out)
     if T == 0:
         return grad_in
-    block_t, num_warps = _config(n, "implicit")
+    block_t, ri, num_warps = _config(n, "implicit")
     sinkhorn_tiled_implicit_bwd_kernel[(triton.cdiv(T, block_t),)](
         out, grad_out, grad_in, T,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, FP64=out.dtype == torch.float64,
+        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=out.dtype == torch.float64,
         CG_TOL=1e-13 if out.dtype == torch.float64 else 1e-6, num_warps=num_warps,
     )
     return grad_in
