@@ -3,6 +3,7 @@
     python examples/benchmark_loss.py --out results/loss.csv           # on a CUDA GPU
     python examples/benchmark_loss.py --options --tokens 8192         # LM-training extras on
     python examples/benchmark_loss.py --sweep                         # tile shapes of mhc's kernels
+    python examples/benchmark_loss.py --profile                       # idle gaps of mhc's step
 
 Forward+backward of ``loss = CE(x @ W^T, target)`` (mean), bf16 ``x [N, D]`` and ``W [V, D]``, random
 data, for each N and (D, V): ``triton.testing.do_bench`` median time and peak memory beyond the
@@ -170,9 +171,16 @@ def sweep(n=8192, d=4096, v=128256):
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
     lce.TILES_16BIT.update(default)
     base = backward(False, False)
-    print(f"dx pass through cuBLAS (fp32 accumulator) {backward(True, False) - base:.2f} ms; "
-          f"dW pass (cuBLAS) {backward(False, True) - base:.2f} ms; floor per pass 2NDV = "
+    dx_ms = backward(True, False) - base
+    dw_ms = backward(False, True) - base
+    print(f"dx pass through cuBLAS (fp32 accumulator) {dx_ms:.2f} ms; "
+          f"dW pass (cuBLAS) {dw_ms:.2f} ms; floor per pass 2NDV = "
           f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms", flush=True)
+    # The best a logits pass could do: the same product through cuBLAS, nothing fused into it.
+    logits_ms = do_bench(lambda: x @ w.t(), rep=300)
+    print(f"cuBLAS x @ W^T for all V (bf16 out) {logits_ms:.2f} ms; the four passes at that rate "
+          f"for the two logits passes: 2 x {logits_ms:.2f} + {dx_ms:.2f} + {dw_ms:.2f} = "
+          f"{2 * logits_ms + dx_ms + dw_ms:.2f} ms", flush=True)
     softcap = dict(softcap=OPTIONS["softcap"])
     for name, fwd, bwd in [("plain", {}, {}), ("soft-cap", softcap, softcap),
                            ("smoothing", dict(smoothing=True), dict(smooth_scale=scale)),
@@ -182,10 +190,48 @@ def sweep(n=8192, d=4096, v=128256):
               f"{backward(False, False, **bwd):.2f} ms", flush=True)
 
 
+def profile(n=8192, d=4096, v=128256, steps=3):
+    """Where a step's time goes beyond its kernels: torch.profiler over a few steps of mhc, the
+    GPU's kernel time against the steps' span, and the largest idle gaps between kernels (a host
+    sync leaves the GPU idle until the host queues more)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x, w, t = _inputs(n, d, v)
+
+    def step():
+        x.grad = w.grad = None
+        linear_cross_entropy(x, w, t).backward()
+
+    for _ in range(steps + 2):
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    k = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    busy, span = sum(b - a for a, b, _ in k), k[-1][1] - k[0][0]
+    print(f"N={n} D={d} V={v}, {steps} steps: kernels busy {busy / 1e3:.2f} ms of a "
+          f"{span / 1e3:.2f} ms span; largest gaps (us):")
+    gaps = sorted(((k[i + 1][0] - k[i][1], k[i][2], k[i + 1][2]) for i in range(len(k) - 1)),
+                  reverse=True)
+    for gap, before, after in gaps[:6]:
+        print(f"  {gap:9.1f}  after {before[:50]}  before {after[:50]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="", help="CSV path for the table")
     p.add_argument("--sweep", action="store_true", help="time tile shapes of mhc's kernels instead")
+    p.add_argument("--profile", action="store_true",
+                   help="kernel time against step time and the idle gaps of mhc's step instead")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="values of N")
     p.add_argument("--shapes", nargs="+", default=[f"{d}x{v}" for d, v in SHAPES],
                    help="(D, V) pairs written DxV")
@@ -198,6 +244,8 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.sweep:
         sweep(n=args.tokens[0] if args.tokens != TOKENS else 8192)
+    elif args.profile:
+        profile(n=args.tokens[0] if args.tokens != TOKENS else 8192)
     else:
         shapes = [tuple(int(a) for a in s.split("x")) for s in args.shapes]
         run(args.out, args.tokens, args.methods, shapes, args.options)
