@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from mhc._host import read_later
 from mhc.layer import BACKENDS, FLOAT_DTYPES
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
@@ -112,15 +113,23 @@ def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square
     return label_smoothing, lse_square_scale, softcap
 
 
-def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    # one reduction and a host sync: PyTorch would index out of bounds (or assert on the device)
+def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
+    """Queues the range check of the targets; the returned function raises ``ValueError`` if a
+    target is outside ``[0, vocab)`` and not ``ignore_index`` (PyTorch would index out of bounds
+    or assert on the device). Call it once the forward pass is queued (neither pass indexes by the
+    target): it waits for the check alone, so the GPU is not left idle while the pass launches."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bad.any():
-        first = target[bad][0].item()
-        raise ValueError(
-            f"target holds class {first}, outside [0, {vocab}) and not ignore_index "
-            f"({ignore_index})"
-        )
+    any_bad = read_later(bad.any())
+
+    def raise_if_bad():
+        if any_bad():
+            first = target[bad][0].item()
+            raise ValueError(
+                f"target holds class {first}, outside [0, {vocab}) and not ignore_index "
+                f"({ignore_index})"
+            )
+
+    return raise_if_bad
 
 
 def _resolve_backend(input: torch.Tensor, backend: str) -> str:
@@ -268,9 +277,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, class_weight, options, backend):
         lse_forward, _ = _passes(backend)
         smoothing = options.label_smoothing > 0
+        check_targets = _target_check(target, weight.shape[0], options.ignore_index)
         lse, target_logit, smooth_sum = lse_forward(
             x, weight, bias, target, class_weight=class_weight, smoothing=smoothing,
             softcap=options.softcap)
+        check_targets()  # before the class weights are indexed by target
         valid = target != options.ignore_index
         target_weight = _target_weights(target, valid, class_weight, lse.dtype)
         ce = target_weight * (lse - target_logit)
@@ -404,7 +415,6 @@ def linear_cross_entropy(
     label_smoothing, lse_square_scale, softcap = _check_loss_options(
         weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss)
     backend = _resolve_backend(input, backend)
-    _check_targets(target, vocab, ignore_index)
     x = input.reshape(-1, dim).contiguous()
     t = target.reshape(-1).long()
     class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()

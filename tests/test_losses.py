@@ -266,6 +266,17 @@ def test_bad_input_raises(make_args, error, match):
         linear_cross_entropy(*make_args(x, w, t))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_out_of_range_raises_before_class_weights_are_indexed(backend):
+    """The range check runs once the forward pass is queued (it never indexes by the target),
+    and before the class weights are picked by target."""
+    x, w, _, t = make(8, 12, 30, bias=False, seed=0, device=_device(backend))
+    t[3] = 30
+    class_weights = torch.rand(30, device=x.device)
+    with pytest.raises(ValueError, match=r"class 30, outside \[0, 30\)"):
+        linear_cross_entropy(x, w, t, weight=class_weights, backend=backend)
+
+
 def test_bad_settings_raise():
     x, w, b, t = make(8, 12, 30, bias=True, seed=0)
     with pytest.raises(ValueError, match="reduction"):

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc._host import read_later
+
 try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy engine (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -354,6 +356,15 @@ def chunk_columns(n_rows: int, vocab: int, element_size: int) -> int:
     return max(1, min(vocab, max(MIN_CHUNK, fit)))
 
 
+def _zero_grads(x, grad_x, grad_w, grad_b):
+    """The gradients of a loss whose logits' gradient is 0 (every row ignored, a zero upstream
+    gradient, or no rows); None where not needed."""
+    for g in (grad_w, grad_b):
+        if g is not None:
+            g.zero_()
+    return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, grad_b
+
+
 def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
                   need_input, need_weight, need_bias, *, class_weight=None, softcap=None):
     """Gradients for x, weight and bias (None where not needed) of a loss whose gradient with
@@ -368,22 +379,23 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     """
     N, D = x.shape
     V = weight.shape[0]
+    grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
+    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_b = torch.empty_like(bias) if need_bias else None
+    if N == 0:
+        return _zero_grads(x, grad_x, grad_w, grad_b)
     bound = prob_scale.abs() + target_scale.abs()
     if smooth_scale is not None:
         class_max = class_weight.abs().max() if class_weight is not None else 1.0
         bound = bound + smooth_scale.abs() * class_max
-    scale_max = bound.max().item() if N > 0 else 0.0
-    grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
-    grad_w = torch.empty_like(weight) if need_weight else None
-    grad_b = torch.empty_like(bias) if need_bias else None
-    if scale_max == 0.0:  # every row ignored, or a zero upstream gradient
-        for g in (grad_w, grad_b):
-            if g is not None:
-                g.zero_()
-        return (grad_x.to(x.dtype) if need_input else None), grad_w, grad_b
-    prob_scale, target_scale = prob_scale / scale_max, target_scale / scale_max
+    # Divided on the device; the host needs the value only as the products' alpha, read once the
+    # first G chunk is queued (waiting for the copy alone: the GPU stays busy meanwhile).
+    bound_max = bound.max()
+    scale_max_later = read_later(bound_max)
+    divisor = bound_max.clamp(min=torch.finfo(bound.dtype).tiny)
+    prob_scale, target_scale = prob_scale / divisor, target_scale / divisor
     smoothing = smooth_scale is not None
-    smooth_scale = smooth_scale / scale_max if smoothing else prob_scale
+    smooth_scale = smooth_scale / divisor if smoothing else prob_scale
     tiles = _tiles(x)
     block_n, block_v, block_d, warps, stages = tiles[
         "grad_logits" if softcap is None else "grad_logits_softcap"]
@@ -392,6 +404,7 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     chunk = chunk_columns(N, V, x.element_size())
     grads = torch.empty(N, chunk, device=x.device, dtype=x.dtype)
     x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
+    scale_max = None
     for c0 in range(0, V, chunk):
         c1 = min(V, c0 + chunk)
         g = grads[:, : c1 - c0]
@@ -406,6 +419,10 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
             BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision,
             UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
         )
+        if scale_max is None:
+            scale_max = scale_max_later()
+            if scale_max == 0.0:  # every row ignored, or a zero upstream gradient
+                return _zero_grads(x, grad_x, grad_w, grad_b)
         if need_weight:
             # one product over all N: fp32 accumulation inside, dW rows written once
             torch.addmm(grad_w[c0:c1], g.t(), x, beta=0, alpha=scale_max, out=grad_w[c0:c1])
