@@ -7,6 +7,8 @@ path -> functional -> module.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ BACKWARDS = ("exact", "implicit")
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_N = 64  # largest matrix the kernels take (kept equal to mhc.kernels.MAX_N, tested)
+MAX_EPS_N = 16  # largest matrix the eps > 0 kernels take (mhc.kernels.MAX_EPS_N, tested)
 
 
 def _kernels():
@@ -27,8 +30,9 @@ def _kernels():
     return mhc.kernels
 
 
-def check_settings(iters, backward, backend) -> None:
-    """Validate the Sinkhorn settings shared by :func:`sinkhorn` and every module built on it."""
+def check_settings(iters, backward, backend, eps=0.0) -> float:
+    """Validate the Sinkhorn settings shared by :func:`sinkhorn` and every module built on it;
+    returns ``eps`` as a float."""
     if isinstance(iters, bool) or not isinstance(iters, int):
         raise TypeError(f"iters must be an int, got {type(iters).__name__}")
     if iters < 1:
@@ -37,6 +41,13 @@ def check_settings(iters, backward, backend) -> None:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not 0.0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps}")
+    if eps > 0 and backward != "exact":
+        raise ValueError("eps > 0 (DeepSeek-V4's Sinkhorn) has the exact backward only: use backward='exact'")
+    return float(eps)
 
 
 def _check_logits(logits) -> None:
@@ -50,15 +61,15 @@ def _check_logits(logits) -> None:
         raise TypeError(f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
 
 
-def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
+def _resolve_backend(logits: torch.Tensor, backend: str, eps: float = 0.0) -> str:
     n = logits.shape[-1]
+    max_n = MAX_N if eps == 0 else MAX_EPS_N
     if backend == "auto":
-        backend = "triton" if logits.is_cuda and n <= MAX_N else "torch"
+        backend = "triton" if logits.is_cuda and n <= max_n else "torch"
     if backend == "triton":
-        if n > MAX_N:
-            raise ValueError(
-                f"the Triton kernels take n <= {MAX_N}, got n = {n}; use backend='torch'"
-            )
+        if n > max_n:
+            what = "kernels" if eps == 0 else "kernels with eps > 0"
+            raise ValueError(f"the Triton {what} take n <= {max_n}, got n = {n}; use backend='torch'")
         _kernels().check_device(logits)
     return backend
 
@@ -84,8 +95,28 @@ def _sinkhorn_implicit_bwd_op(out: torch.Tensor, grad_out: torch.Tensor) -> torc
     return _kernels().sinkhorn_implicit_bwd(out, grad_out)
 
 
+@torch.library.custom_op("mhc::sinkhorn_eps_fwd", mutates_args=())
+def _sinkhorn_eps_fwd_op(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return _kernels().sinkhorn_eps_fwd(logits, iters, eps)
+
+
+@torch.library.custom_op("mhc::sinkhorn_eps_bwd", mutates_args=())
+def _sinkhorn_eps_bwd_op(logits: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return _kernels().sinkhorn_eps_bwd(logits, grad_out, iters, eps)
+
+
 @_sinkhorn_fwd_op.register_fake
 def _(logits, iters):
+    return logits.new_empty(logits.shape)
+
+
+@_sinkhorn_eps_fwd_op.register_fake
+def _(logits, iters, eps):
+    return logits.new_empty(logits.shape)
+
+
+@_sinkhorn_eps_bwd_op.register_fake
+def _(logits, grad_out, iters, eps):
     return logits.new_empty(logits.shape)
 
 
@@ -99,34 +130,43 @@ def _(out, grad_out):
     return out.new_empty(out.shape)
 
 
-def _launchers():
+def sinkhorn_launchers():
+    """``(forward, exact backward, implicit backward, eps forward, eps backward)``: the kernels'
+    launchers in eager mode, the registered ops while ``torch.compile`` traces."""
     if torch.compiler.is_compiling():
         ops = torch.ops.mhc
-        return ops.sinkhorn_fwd, ops.sinkhorn_bwd, ops.sinkhorn_implicit_bwd
+        return ops.sinkhorn_fwd, ops.sinkhorn_bwd, ops.sinkhorn_implicit_bwd, ops.sinkhorn_eps_fwd, ops.sinkhorn_eps_bwd
     k = _kernels()
-    return k.sinkhorn_fwd, k.sinkhorn_bwd, k.sinkhorn_implicit_bwd
+    return k.sinkhorn_fwd, k.sinkhorn_bwd, k.sinkhorn_implicit_bwd, k.sinkhorn_eps_fwd, k.sinkhorn_eps_bwd
+
+
+def sinkhorn_bwd_launch(saved: torch.Tensor, grad_out: torch.Tensor, iters: int, backward: str, eps: float):
+    """The backward matching :class:`SinkhornFunction`'s forward: ``saved`` is the logits for the
+    exact backward, the output for the implicit one."""
+    _, bwd, implicit_bwd, _, eps_bwd = sinkhorn_launchers()
+    if eps > 0:
+        return eps_bwd(saved, grad_out, iters, eps)
+    if backward == "exact":
+        return bwd(saved, grad_out, iters)
+    return implicit_bwd(saved, grad_out)
 
 
 class SinkhornFunction(torch.autograd.Function):
     """Triton Sinkhorn with its exact or implicit backward. ``[T, n, n]`` -> ``[T, n, n]``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, iters: int, backward: str) -> torch.Tensor:
-        fwd, _, _ = _launchers()
-        out = fwd(logits, iters)
+    def forward(ctx, logits: torch.Tensor, iters: int, backward: str, eps: float) -> torch.Tensor:
+        fwd, _, _, eps_fwd, _ = sinkhorn_launchers()
+        out = fwd(logits, iters) if eps == 0 else eps_fwd(logits, iters, eps)
         # exact: only the input, every iterate is recomputed; implicit: only the output
         ctx.save_for_backward(logits if backward == "exact" else out)
-        ctx.iters = iters
-        ctx.backward_mode = backward
+        ctx.iters, ctx.backward_mode, ctx.eps = iters, backward, eps
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        _, bwd, implicit_bwd = _launchers()
-        if ctx.backward_mode == "exact":
-            return bwd(saved, grad_out, ctx.iters), None, None
-        return implicit_bwd(saved, grad_out), None, None
+        return sinkhorn_bwd_launch(saved, grad_out, ctx.iters, ctx.backward_mode, ctx.eps), None, None, None
 
 
 # PyTorch path: the reference formulation under autograd (exact), or with the implicit backward.
@@ -145,11 +185,13 @@ class _TorchImplicit(torch.autograd.Function):
         return reference.sinkhorn_implicit_backward(out, grad_out), None
 
 
-def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str) -> torch.Tensor:
+def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str, eps: float = 0.0) -> torch.Tensor:
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=logits.device.type, enabled=False):
         x = logits.to(compute)
-        if backward == "exact":
+        if eps > 0:
+            out = reference.sinkhorn_eps(x, iters, eps)
+        elif backward == "exact":
             out = reference.sinkhorn_stable(x, iters)
         else:
             out = _TorchImplicit.apply(x, iters)
@@ -157,7 +199,7 @@ def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str) -> torch.Te
 
 
 def sinkhorn(
-    logits: torch.Tensor, iters: int = 20, backward: str = "exact", backend: str = "auto"
+    logits: torch.Tensor, iters: int = 20, backward: str = "exact", backend: str = "auto", eps: float = 0.0
 ) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation of ``exp(logits)`` into doubly stochastic matrices.
 
@@ -179,6 +221,10 @@ def sinkhorn(
         backend: ``"auto"`` (Triton on CUDA tensors with n <= 64, PyTorch otherwise),
             ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``; n <= 64, else a ValueError)
             or ``"torch"``.
+        eps: ``0`` (default) is the paper's iteration. ``eps > 0`` is DeepSeek-V4's: ``eps`` is
+            added to every entry after the first (column) softmax and to every row and column
+            sum the iteration divides by, so rows sum to ``1 - O(eps)`` rather than exactly one
+            (:func:`mhc.reference.sinkhorn_eps`). Exact backward only; ``n <= 16`` on the kernels.
 
     Returns:
         ``[..., n, n]`` doubly stochastic matrices, same dtype as ``logits``, contiguous.
@@ -190,12 +236,12 @@ def sinkhorn(
     matrices of the batch are unaffected. Details and tests: ``docs/sinkhorn.md``.
     """
     _check_logits(logits)
-    check_settings(iters, backward, backend)
-    backend = _resolve_backend(logits, backend)
+    eps = check_settings(iters, backward, backend, eps)
+    backend = _resolve_backend(logits, backend, eps)
     if backend == "torch":
-        return _sinkhorn_torch(logits, iters, backward)
+        return _sinkhorn_torch(logits, iters, backward, eps)
     n = logits.shape[-1]
-    return SinkhornFunction.apply(logits.reshape(-1, n, n), iters, backward).view(logits.shape)
+    return SinkhornFunction.apply(logits.reshape(-1, n, n), iters, backward, eps).view(logits.shape)
 
 
 class FusedMHC(nn.Module):

@@ -13,6 +13,8 @@ every row. Arithmetic happens in the input dtype; callers upcast (fp32 or fp64) 
   log domain, the remaining ones multiplicatively. After one exact row normalisation every row and
   column sum stays within ``[1/n^2, n]``, so nothing can underflow to a zero row afterwards
   (``docs/sinkhorn.md`` has the argument).
+- :func:`sinkhorn_eps` is DeepSeek-V4's iteration: ``eps`` added after the first (column)
+  softmax and to every sum it divides by.
 - :func:`sinkhorn_implicit_backward` is the implicit-differentiation gradient at the computed
   output with the correction for a forward that has not converged.
 """
@@ -25,6 +27,7 @@ __all__ = [
     "sinkhorn_multiplicative",
     "sinkhorn_log",
     "sinkhorn_stable",
+    "sinkhorn_eps",
     "sinkhorn_implicit_backward",
 ]
 
@@ -59,6 +62,18 @@ def sinkhorn_stable(logits: torch.Tensor, iters: int) -> torch.Tensor:
     for _ in range(iters - 1):
         m = m / m.sum(dim=-2, keepdim=True)
         m = m / m.sum(dim=-1, keepdim=True)
+    return m
+
+
+def sinkhorn_eps(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """DeepSeek-V4's Sinkhorn in this project's orientation (V4 applies the transpose):
+    ``softmax over columns + eps``, then ``iters`` row steps interleaved with ``iters - 1`` column
+    steps, each dividing by the sum plus ``eps``. ``eps = 0`` is :func:`sinkhorn_stable`."""
+    m = torch.softmax(logits, dim=-2) + eps
+    m = m / (m.sum(dim=-1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
     return m
 
 

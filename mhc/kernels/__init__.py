@@ -7,6 +7,7 @@ import os
 
 from mhc.kernels._tiles import MAX_N
 from mhc.kernels.sinkhorn import sinkhorn_bwd, sinkhorn_fwd
+from mhc.kernels.sinkhorn_eps import MAX_EPS_N, sinkhorn_eps_bwd, sinkhorn_eps_fwd
 from mhc.kernels.sinkhorn_implicit import sinkhorn_implicit_bwd
 from mhc.kernels.stream_mix import MAX_STREAMS, stream_mix_bwd, stream_mix_fwd
 from mhc.kernels.mhc_coefficients import coefficients_bwd, coefficients_fwd
@@ -24,6 +25,6 @@ def check_device(tensor) -> None:
         )
 
 
-__all__ = ["MAX_N", "MAX_STREAMS", "INTERPRET", "check_device", "sinkhorn_fwd", "sinkhorn_bwd",
-           "sinkhorn_implicit_bwd", "stream_mix_fwd", "stream_mix_bwd", "coefficients_fwd",
+__all__ = ["MAX_N", "MAX_EPS_N", "MAX_STREAMS", "INTERPRET", "check_device", "sinkhorn_fwd", "sinkhorn_bwd",
+           "sinkhorn_eps_fwd", "sinkhorn_eps_bwd", "sinkhorn_implicit_bwd", "stream_mix_fwd", "stream_mix_bwd", "coefficients_fwd",
            "coefficients_bwd"]
