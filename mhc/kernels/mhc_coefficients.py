@@ -34,12 +34,15 @@ Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 ``docs/mixing.md`` derives the gradients.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
+from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
 from mhc.kernels.stream_mix import MAX_STREAMS
 
 
@@ -64,23 +67,95 @@ def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
     return o_c, o_c < N, (o_c >= N) & (o_c < 2 * N)
 
 
-@triton.jit(do_not_specialize=["T", "eps"])
+@triton.jit
+def coefficients_epilogue(
+    acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps,
+    a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+    p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr,
+):
+    """From the projection ``acc = v @ phi`` and the sum of squares of the tokens ``o_t``: store
+    ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits; return the
+    ``[pre | post]`` tile of gates (``h_pre`` without ``hc_eps`` on its pre columns)."""
+    M: tl.constexpr = 2 * N + N * N
+    o_pp, m_pre, m_post = _column_groups(N, NPP)
+    o_res = tl.arange(0, NRES)
+    m_res = o_res < N * N
+    r = 1.0 / tl.sqrt(sum_sq / K + eps)
+    p_pp = acc_pp * r[:, None]
+    p_res = acc_res * r[:, None]
+    m_t = t_ok[:, None]
+    tl.store(r_ptr + o_t, r, mask=t_ok)
+    tl.store(p_ptr + o_t[:, None] * M + o_pp[None, :], p_pp, mask=m_t & (o_pp < 2 * N)[None, :])
+    tl.store(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], p_res, mask=m_t & m_res[None, :])
+
+    a_pre = tl.load(a_pre_ptr)
+    a_post = tl.load(a_post_ptr)
+    a_res = tl.load(a_res_ptr)
+    bias_pp = tl.load(b_pre_ptr + o_pp, mask=m_pre, other=0.0) + tl.load(b_post_ptr + (o_pp - N), mask=m_post, other=0.0)
+    h_pp = tl.sigmoid(tl.where(m_pre, a_pre, a_post)[None, :] * p_pp + bias_pp[None, :])
+    tl.store(h_pre_ptr + o_t[:, None] * N + o_pp[None, :], h_pp + hc_eps, mask=m_t & m_pre[None, :])
+    tl.store(h_post_ptr + o_t[:, None] * N + (o_pp - N)[None, :], 2.0 * h_pp, mask=m_t & m_post[None, :])
+    z_res = a_res * p_res + tl.load(b_res_ptr + o_res, mask=m_res, other=0.0)[None, :]
+    tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
+    return h_pp
+
+
+@triton.jit
+def pre_mix_pass(
+    x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D,
+    N: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``x_in = sum_j h_pre[j] x[j]`` over the tokens ``o_t`` of ``x [T, N, D]``, last chunks first
+    (the most recently read or written, the likeliest still in L2)."""
+    o_pp = tl.arange(0, NPP)
+    h_pre = ()
+    for j in tl.static_range(N):
+        h_pre = h_pre + (tl.sum(tl.where(o_pp[None, :] == j, h_pp, 0.0), axis=1) + hc_eps,)
+    n_d = tl.cdiv(D, BLOCK_D)
+    for i_rev in range(n_d):
+        o_d = (n_d - 1 - i_rev) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = t_ok[:, None] & (o_d < D)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            b_x = tl.load(x_ptr + o_t[:, None] * (N * D) + j * D + o_d[None, :], mask=m, other=0.0)
+            acc += h_pre[j][:, None] * b_x.to(tl.float32)
+        tl.store(x_in_ptr + o_t[:, None] * D + o_d[None, :], acc.to(x_in_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def sinkhorn_epilogue(
+    z_res_ptr, h_res_ptr, i_t, T, hc_eps,
+    ITERS: tl.constexpr, HAS_EPS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Sinkhorn of the program's matrices, read back as rows (the layout of the Sinkhorn core)."""
+    tl.debug_barrier()
+    offs, m = _row_tile(i_t, T, N, BLOCK_T, NP)
+    z = _load_rows(z_res_ptr, offs, m, N, False)
+    if HAS_EPS:
+        h_res = sinkhorn_eps_rows(z, hc_eps, ITERS, N, NP, BLOCK_T)
+    else:
+        h_res = sinkhorn_rows(z, ITERS, N, NP, BLOCK_T)
+    _store_rows(h_res_ptr, offs, m, h_res, N)
+
+
+@triton.jit(do_not_specialize=["T", "eps", "hc_eps"])
 def coefficients_fwd_kernel(
     # pointers: streams x [T, N, D], phi [N * D, M] fp32, gates (3 scalars), biases
     x_ptr, phi_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
     # outputs: x_in [T, D] (x's dtype); fp32 p [T, M], r [T], h_pre [T, N], h_post [T, N],
     # z_res [T, N, N] (Sinkhorn logits), h_res [T, N, N]
     x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
-    T, D, eps,
+    T, D, eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_EPS: tl.constexpr, SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
     K = N * D
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
-    o_pp, m_pre, m_post = _column_groups(N, NPP)
+    o_pp = tl.arange(0, NPP)
     o_res = tl.arange(0, NRES)
     m_res = o_res < N * N
 
@@ -99,47 +174,15 @@ def coefficients_fwd_kernel(
         acc_pp += _dot_fp32(b_x, b_phi_pp, SPLIT_BF16)
         acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
 
-    r = 1.0 / tl.sqrt(sum_sq / K + eps)
-    p_pp = acc_pp * r[:, None]
-    p_res = acc_res * r[:, None]
-    tl.store(r_ptr + o_t, r, mask=t_ok)
-    tl.store(p_ptr + o_t[:, None] * M + o_pp[None, :], p_pp, mask=t_ok[:, None] & (o_pp < 2 * N)[None, :])
-    tl.store(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], p_res, mask=t_ok[:, None] & m_res[None, :])
-
-    a_pre = tl.load(a_pre_ptr)
-    a_post = tl.load(a_post_ptr)
-    a_res = tl.load(a_res_ptr)
-    bias_pp = tl.load(b_pre_ptr + o_pp, mask=m_pre, other=0.0) + tl.load(b_post_ptr + (o_pp - N), mask=m_post, other=0.0)
-    h_pp = tl.sigmoid(tl.where(m_pre, a_pre, a_post)[None, :] * p_pp + bias_pp[None, :])
-    m_t = t_ok[:, None]
-    tl.store(h_pre_ptr + o_t[:, None] * N + o_pp[None, :], h_pp, mask=m_t & m_pre[None, :])
-    tl.store(h_post_ptr + o_t[:, None] * N + (o_pp - N)[None, :], 2.0 * h_pp, mask=m_t & m_post[None, :])
-    z_res = a_res * p_res + tl.load(b_res_ptr + o_res, mask=m_res, other=0.0)[None, :]
-    tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
-
-    # pre-mix, x_in = sum_j h_pre[j] x[j]: a second pass over this program's tokens, last chunks
-    # first (the most recently read, the likeliest still in L2)
-    h_pre = ()
-    for j in tl.static_range(N):
-        h_pre = h_pre + (tl.sum(tl.where(o_pp[None, :] == j, h_pp, 0.0), axis=1),)
-    n_d = tl.cdiv(D, BLOCK_K)
-    for i_rev in range(n_d):
-        o_d = (n_d - 1 - i_rev) * BLOCK_K + tl.arange(0, BLOCK_K)
-        m = m_t & (o_d < D)[None, :]
-        acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        for j in tl.static_range(N):
-            b_x = tl.load(x_ptr + o_t[:, None] * K + j * D + o_d[None, :], mask=m, other=0.0)
-            acc += h_pre[j][:, None] * b_x.to(tl.float32)
-        tl.store(x_in_ptr + o_t[:, None] * D + o_d[None, :], acc.to(x_in_ptr.dtype.element_ty), mask=m)
-
-    # Sinkhorn of this program's matrices, read back as rows (the layout of the Sinkhorn core)
-    tl.debug_barrier()
-    offs, m = _row_tile(i_t, T, N, BLOCK_T, NP)
-    h_res = sinkhorn_rows(_load_rows(z_res_ptr, offs, m, N, False), ITERS, N, NP, BLOCK_T)
-    _store_rows(h_res_ptr, offs, m, h_res, N)
+    h_pp = coefficients_epilogue(
+        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, a_pre_ptr, a_post_ptr, a_res_ptr,
+        b_pre_ptr, b_post_ptr, b_res_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES,
+    )
+    pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_K)
+    sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "hc_eps"])
 def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
@@ -148,7 +191,7 @@ def coefficient_grad_kernel(
     # outputs (fp32): g [T, M] (projection gradient), c [T] (RMS term), partial [programs, M + 3]
     # (this program's sums of dz and of the gate terms s)
     g_ptr, c_ptr, partial_ptr,
-    T, D,
+    T, D, hc_eps,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, HAS_DH_PRE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -184,7 +227,7 @@ def coefficient_grad_kernel(
     mp_post = m_t & m_post[None, :]
     if HAS_DH_PRE:
         dh_pre += tl.load(dh_pre_ptr + p_pre, mask=mp_pre, other=0.0)
-    h_pre = tl.load(h_pre_ptr + p_pre, mask=mp_pre, other=0.0)
+    h_pre = tl.load(h_pre_ptr + p_pre, mask=mp_pre, other=0.0) - hc_eps  # the sigmoid itself
     h_post = tl.load(h_post_ptr + p_post, mask=mp_post, other=0.0)
     # d sigmoid = h (1 - h); d (2 sigmoid) = h_post (1 - h_post / 2)
     dz_pp = dh_pre * h_pre * (1.0 - h_pre)
@@ -324,23 +367,21 @@ def projection_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int, int 
     return 16, 32, 4, 2, 4, None
 
 
-def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float):
+def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
     """Coefficients and pre-mix of streams ``x [T, N, D]``.
 
     Returns ``(x_in [T, D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
     ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
     RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, gates (one value each) and biases
-    ``[N]``, ``[N]``, ``[N, N]`` are fp32.
+    ``[N]``, ``[N]``, ``[N, N]`` are fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid + hc_eps``
+    and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
     """
     T, n, d = x.shape
     K, M = n * d, 2 * n + n * n
     assert phi.shape == (K, M) and 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
-    f32 = dict(dtype=torch.float32, device=x.device)
     x_in = torch.empty((T, d), dtype=x.dtype, device=x.device)
-    p, r = torch.empty((T, M), **f32), torch.empty((T,), **f32)
-    h_pre, h_post = torch.empty((T, n), **f32), torch.empty((T, n), **f32)
-    z_res, h_res = torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32)
+    p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T == 0:
         return x_in, p, r, h_pre, h_post, z_res, h_res
     cols = _columns(n)
@@ -348,15 +389,42 @@ def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: 
     coefficients_fwd_kernel[(triton.cdiv(T, block_t),)](
         x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
         x_in, p, r, h_pre, h_post, z_res, h_res,
-        T, d, eps,
-        NP=next_pow2(n), ITERS=iters, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **cols,
+        T, d, eps, hc_eps,
+        NP=next_pow2(n), ITERS=iters, HAS_EPS=hc_eps > 0, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **cols,
     )
     return x_in, p, r, h_pre, h_post, z_res, h_res
 
 
+def per_token_outputs(T: int, n: int, device):
+    """The fp32 per-token outputs of a coefficient forward: ``(p, r, h_pre, h_post, z_res, h_res)``."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty((T, 2 * n + n * n), **f32), torch.empty((T,), **f32), torch.empty((T, n), **f32),
+            torch.empty((T, n), **f32), torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32))
+
+
+def coefficient_grad(x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
+    """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
+    the projection's gradient, the RMS term and per-program sums for the biases and gates."""
+    T, n, d = x.shape
+    M = 2 * n + n * n
+    f32 = dict(dtype=torch.float32, device=x.device)
+    g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
+    block_t, block_d = 8, min(128, next_pow2(d))
+    grid_t = triton.cdiv(T, block_t)
+    partial_bias = torch.empty((grid_t, M + 3), **f32)
+    has_dh_pre = dh_pre is not None
+    coefficient_grad_kernel[(grid_t,)](
+        x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
+        dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias,
+        T, d, hc_eps, HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_columns(n),
+    )
+    return g, c, partial_bias
+
+
 def coefficients_bwd(
-    x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None
+    x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
+    hc_eps: float = 0.0,
 ):
     """Backward of the coefficients and the pre-mix: ``(dx [T, N, D], dphi [K, M], dbias_gate [M + 3])``.
 
@@ -372,23 +440,14 @@ def coefficients_bwd(
     f32 = dict(dtype=torch.float32, device=x.device)
     if T == 0:
         return torch.zeros_like(x), torch.zeros((K, M), **f32), torch.zeros((M + 3,), **f32)
-    cols = _columns(n)
     grad_x_in = grad_x_in.contiguous()
-    g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
-    block_t, block_d = 8, min(128, next_pow2(d))
-    grid_t = triton.cdiv(T, block_t)
-    partial_bias = torch.empty((grid_t, M + 3), **f32)
-    has_dh_pre = dh_pre is not None
-    coefficient_grad_kernel[(grid_t,)](
-        x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-        dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias,
-        T, d, HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **cols,
+    g, c, partial_bias = coefficient_grad(
+        x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
     )
-
     dx = torch.empty_like(x)
     block_t, block_d, num_warps, num_stages, waves, maxnreg = projection_bwd_config(n, d)
     chunks = n * triton.cdiv(d, block_d)
-    splits = max(1, min(triton.cdiv(T, block_t), round(waves * _sm_count(x.device) / chunks)))
+    splits = token_splits(T, block_t, waves, chunks, x.device)
     partial_phi = torch.empty((splits, K, M), **f32)
     accumulate = grad_x_acc is not None
     projection_bwd_kernel[(chunks, splits)](
@@ -396,12 +455,20 @@ def coefficients_bwd(
         T, d, splits,
         ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), DX_PRECISION=dx_precision(x, n),
         BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages, **cols, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        num_warps=num_warps, num_stages=num_stages, **_columns(n), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return dx, partial_phi.sum(0), partial_bias.sum(0)
 
 
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def token_splits(T: int, block_t: int, waves: int, chunks: int, device) -> int:
+    """Token splits of a ``(chunks, splits)`` grid: about ``waves`` programs per SM."""
+    return max(1, min(triton.cdiv(T, block_t), round(waves * sm_count(device) / chunks)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    return 4 if device.type != "cuda" else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
