@@ -7,9 +7,12 @@ Axis legend (einops):
     t     target stream / lane
     d     channels (``dim``)
 
-Coefficients are computed in fp32 whatever the activation dtype (fp64 when the activations or
-the parameters are fp64); the mixing itself runs in the activation dtype. ``docs/mixing.md``
-gives the equations and the initialisation choices.
+``HyperConnection`` is a thin module: its parameters and initialisation live here, where its
+coefficients come from in :mod:`mhc.coefficients`, and which path runs it (fused kernels or the
+PyTorch reference) and how one site hands over to the next in :mod:`mhc.sites`. Coefficients are
+computed in fp32 whatever the activation dtype (fp64 when the activations or the parameters are
+fp64); the mixing itself runs in the activation dtype. ``docs/mixing.md`` gives the equations and
+the initialisation choices.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-from einops import einsum, rearrange, repeat
+from einops import rearrange, repeat
 from torch import nn
 
-from mhc.layer import _kernels, check_settings, sinkhorn
-from mhc.mixing_ops import mhc_pre_mix, post_mix, pre_mix
+from mhc.coefficients import coefficient_dtype, rms_inverse, source_for
+from mhc.layer import check_settings, sinkhorn
+from mhc.mixing_ops import post_mix
+from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend, streams_of
 
 __all__ = [
     "HyperConnection",
@@ -40,38 +45,9 @@ __all__ = [
 CONSTRAINTS = ("sinkhorn", "none")
 INITS = ("residual", "zero")
 REDUCTIONS = ("mean", "sum")
-MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
 # RMS epsilon of the coefficient projection. The paper prints 1e-20, for which the gradient of a
 # zero token is ~1e10 |a| |phi|; 1e-6 bounds it by 1e3 |a| |phi| (docs/mixing.md, "Zero and tiny tokens").
 DEFAULT_RMS_EPS = 1e-6
-
-
-def _check_floating(x, what: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor, got {x.dtype}")
-
-
-def _check_streams(x: torch.Tensor, n: int, dim: int | None, what: str) -> None:
-    _check_floating(x, what)
-    if x.dim() < 2 or x.shape[-2] != n or (dim is not None and x.shape[-1] != dim):
-        want = f"[..., {n}, {dim if dim is not None else 'dim'}]"
-        raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
-
-
-def _layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
-    """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
-    ``n <= MAX_FUSED_STREAMS`` and the PyTorch reference otherwise."""
-    if backend == "auto":
-        return "triton" if x.is_cuda and n <= MAX_FUSED_STREAMS else "torch"
-    if backend == "triton":
-        if n > MAX_FUSED_STREAMS:
-            raise ValueError(
-                f"the fused mixing kernels take n <= {MAX_FUSED_STREAMS} streams, got {n}; use backend='torch'"
-            )
-        _kernels().check_device(x)
-    return backend
 
 
 def _positive_int(value, name: str) -> int:
@@ -90,24 +66,13 @@ def _check_rms_eps(eps) -> float:
     return float(eps)
 
 
-def _coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 when any of ``tensors`` is fp64: the reference path then computes its
-    coefficients in fp64 too, so that it serves as the exact oracle of the fused kernels."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
-    return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
-
-
 # ------------------------------------------------------------------------------ stream helpers
 
 
 def expand_streams(h: torch.Tensor, n_streams: int, embedding: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., dim] -> [..., n, dim]``: ``n`` copies of ``h``, plus ``embedding [n, dim]`` if given."""
     _positive_int(n_streams, "n_streams")
-    _check_floating(h, "h")
+    check_floating(h, "h")
     x = repeat(h, "... d -> ... s d", s=n_streams)
     if embedding is not None:
         if embedding.shape != (n_streams, h.shape[-1]):
@@ -120,7 +85,7 @@ def reduce_streams(x: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
     """``[..., n, dim] -> [..., dim]`` by ``"mean"`` or ``"sum"`` over the streams."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-    _check_floating(x, "x")
+    check_floating(x, "x")
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., n, dim], got {tuple(x.shape)}")
     return x.mean(dim=-2) if reduce == "mean" else x.sum(dim=-2)
@@ -147,36 +112,10 @@ def _gates_from_scalars(module, state_dict, prefix, *args) -> None:
             state_dict[prefix + name] = value.reshape(1)
 
 
-def _streams_of(out_flat: torch.Tensor, shape) -> torch.Tensor:
-    """The fused kernels' ``[T, n, dim]`` output as ``shape``, not recorded as a view (as aten's
-    matmul returns its reshaped product): the buffer has no other owner, and FSDP2 warns about
-    modules that return views."""
-    return torch.ops.aten._unsafe_view(out_flat, shape)
-
-
-def _branch_output(out, shape):
-    """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
-    tensor mixed into the streams (attention modules returning weights or a cache)."""
-    rest = None
-    if isinstance(out, (tuple, list)):
-        if len(out) == 0:
-            raise ValueError("the branch returned an empty tuple; its first element must be the output tensor")
-        out, rest = out[0], tuple(out[1:])
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}")
-    if out.shape != shape:
-        raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    return out, rest
-
-
-def _with_rest(streams: torch.Tensor, rest):
-    return streams if rest is None else (streams, *rest)
-
-
 # ------------------------------------------------------------------------------ hyper-connection
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(nn.Module, Site):
     """Hyper-connection around a branch ``F`` (attention, MLP, ...) on ``n`` residual streams.
 
     ``out[..., i, :] = sum_j h_res[..., i, j] x[..., j, :] + h_post[..., i] F(sum_j h_pre[..., j] x[..., j, :])``
@@ -212,12 +151,21 @@ class HyperConnection(nn.Module):
             ``1e-6`` keeps the gradient of an all-zero or tiny token bounded (at most
             ``|a| (|phi_ik| + ||phi_k||) / sqrt(rms_eps)`` per logit); the paper's ``1e-20`` gives
             ``~1e10`` there. It changes tokens with an RMS below ``~1e-3`` only.
+        hc_eps: ``0`` (default): the paper's coefficients. ``> 0`` (mHC only): DeepSeek-V4's,
+            ``h_pre = sigmoid(.) + hc_eps`` and its Sinkhorn (``hc_eps`` added after the first
+            softmax and to every sum divided by; :func:`mhc.layer.sinkhorn`'s ``eps``). Needs the
+            exact backward.
 
     Shapes: ``forward(x [..., n, dim], *args, **kwargs) -> [..., n, dim]``; extra arguments go to
     the branch. A branch that returns a tuple ``(y, *extras)`` (attention weights, a cache) has
     ``y`` mixed into the streams, and ``forward`` returns ``(streams, *extras)``.
     ``coefficients(x) -> (h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on
     the ``"torch"`` path for fp64 activations or parameters).
+
+    Models that run their own layer loop chain the sites: ``x_in, finish = hc_1.split(x)``, then
+    ``x_in, finish = finish(branch_1(x_in), next=hc_2)``, ..., and ``x = finish(branch_k(x_in))``
+    for the last one. ``finish(y, next=hc_2)`` equals ``hc_2.split(finish(y))``; on the fused path
+    between two dynamic mHC sites it runs as one kernel (:mod:`mhc.sites`).
     """
 
     def __init__(
@@ -232,6 +180,7 @@ class HyperConnection(nn.Module):
         backward: str = "exact",
         backend: str = "auto",
         rms_eps: float = DEFAULT_RMS_EPS,
+        hc_eps: float = 0.0,
     ):
         super().__init__()
         self.dim = _positive_int(dim, "dim")
@@ -242,7 +191,9 @@ class HyperConnection(nn.Module):
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
         if constraint == "none" and init != "residual":
             raise ValueError("constraint='none' (HC) supports init='residual' only")
-        check_settings(sinkhorn_iters, backward, backend)
+        self.hc_eps = check_settings(sinkhorn_iters, backward, backend, hc_eps)
+        if constraint == "none" and self.hc_eps > 0:
+            raise ValueError("hc_eps is an option of mHC (constraint='sinkhorn'), got constraint='none'")
         self.branch = branch
         self.sinkhorn_iters = sinkhorn_iters
         self.dynamic = bool(dynamic)
@@ -251,6 +202,7 @@ class HyperConnection(nn.Module):
         self.backward = backward
         self.backend = backend
         self.rms_eps = _check_rms_eps(rms_eps)
+        self.source = source_for(constraint, self.dynamic)
         self._recorder: list | None = None
 
         self.b_pre = nn.Parameter(torch.zeros(n))
@@ -292,112 +244,10 @@ class HyperConnection(nn.Module):
             else:
                 nn.init.normal_(self.phi, std=self.phi.shape[0] ** -0.5)
 
-    def _dynamic_logits(self, x: torch.Tensor):
-        """``(pre [..., n], post [..., n], res [..., n, n])`` before the bias, in
-        ``_coefficient_dtype(x, phi)``."""
-        n = self.n_streams
-        dtype = _coefficient_dtype(x, self.phi)
-        if self.constraint == "sinkhorn":
-            v = rearrange(x.to(dtype), "... s d -> ... (s d)")
-            proj = (v @ self.phi.to(dtype)) * _rms_inverse(v, self.rms_eps)
-            pre, post, res = proj.split([n, n, n * n], dim=-1)
-            res = rearrange(res, "... (t s) -> ... t s", t=n)
-            return self.a_pre * pre, self.a_post * post, self.a_res * res
-        xf = x.to(dtype)
-        proj = torch.tanh((xf * _rms_inverse(xf, self.rms_eps)) @ self.phi.to(dtype))  # [..., s, n + 2]
-        pre, post, res = proj[..., 0], proj[..., 1], proj[..., 2:]
-        return self.a_pre * pre, self.a_post * post, self.a_res * res
-
-    def _static_coefficients(self):
-        """``(h_pre [n], h_post [n], h_res [n, n])`` of a static layer, fp32 (fp64 for fp64 parameters)."""
-        dtype = _coefficient_dtype(self.b_res)
-        b_pre, b_post, b_res = self.b_pre.to(dtype), self.b_post.to(dtype), self.b_res.to(dtype)
-        if self.constraint == "none":
-            return b_pre, b_post, b_res
-        h_res = sinkhorn(b_res, self.sinkhorn_iters, backward=self.backward, backend=self.backend)
-        return torch.sigmoid(b_pre), 2.0 * torch.sigmoid(b_post), h_res
-
-    def coefficients(self, x: torch.Tensor):
-        """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64: see the class) for
-        streams ``x [..., n, dim]``."""
-        _check_streams(x, self.n_streams, self.dim, "x")
-        if self._fused_dynamic_mhc(x):
-            n, lead = self.n_streams, x.shape[:-2]
-            _, h_pre, h_post, h_res, _ = self._mhc_pre_mix(x.reshape(-1, n, self.dim))
-            return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
-        lead = x.shape[:-2]
-        if not self.dynamic:
-            h_pre, h_post, h_res = self._static_coefficients()
-            return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
-        dtype = _coefficient_dtype(x, self.b_res)
-        pre = self.b_pre.to(dtype).expand(*lead, -1)
-        post = self.b_post.to(dtype).expand(*lead, -1)
-        res = self.b_res.to(dtype).expand(*lead, -1, -1)
-        d_pre, d_post, d_res = self._dynamic_logits(x)
-        pre, post, res = pre + d_pre, post + d_post, res + d_res
-        if self.constraint == "none":
-            return pre, post, res
-        h_res = sinkhorn(res, self.sinkhorn_iters, backward=self.backward, backend=self.backend)
-        return torch.sigmoid(pre), 2.0 * torch.sigmoid(post), h_res
-
-    def _fused_dynamic_mhc(self, x: torch.Tensor) -> bool:
-        return (
-            self.dynamic and self.constraint == "sinkhorn"
-            and _layer_backend(x, self.n_streams, self.backend) == "triton"
-        )
-
-    def _mhc_pre_mix(self, x_flat: torch.Tensor):
-        params = (self.phi, self.a_pre, self.a_post, self.a_res, self.b_pre, self.b_post, self.b_res)
-        params = (p if p.dtype == torch.float32 else p.float() for p in params)
-        return mhc_pre_mix(x_flat, *params, self.sinkhorn_iters, self.backward, self.rms_eps)
-
-    def split(self, x: torch.Tensor):
-        """Two-step form for blocks that cannot be wrapped.
-
-        ``x_in, finish = hc.split(x)``; ``x_in [..., dim]`` is the branch input; after computing
-        ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the hyper-connection's output. If
-        ``y`` is a tuple (or list), its first element is mixed into the streams and
-        ``finish(y)`` returns ``(streams, *y[1:])``.
-        """
-        _check_streams(x, self.n_streams, self.dim, "x")
-        if _layer_backend(x, self.n_streams, self.backend) == "triton":
-            return self._split_fused(x)
-        h_pre, h_post, h_res = self.coefficients(x)
-        if self._recorder is not None:
-            self._recorder.append(h_res.detach())
-        dtype = x.dtype
-        x_in = einsum(h_pre.to(dtype), x, "... s, ... s d -> ... d")
-
-        def finish(y):
-            y, rest = _branch_output(y, x_in.shape)
-            mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
-            return _with_rest(mixed + einsum(h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d"), rest)
-
-        return x_in, finish
-
-    def _split_fused(self, x: torch.Tensor):
-        """``split`` on the fused kernels: tokens flattened to ``[T, n, dim]``."""
-        n, dim, lead = self.n_streams, self.dim, x.shape[:-2]
-        x_flat = x.reshape(-1, n, dim)
-        T = x_flat.shape[0]
-        if self.dynamic and self.constraint == "sinkhorn":
-            x_in, _, h_post, h_res, x_pass = self._mhc_pre_mix(x_flat)
-        else:
-            if self.dynamic:  # HC: per-token coefficients from PyTorch ops
-                h_pre, h_post, h_res = (c.reshape(T, *c.shape[len(lead):]).float() for c in self.coefficients(x))
-            else:  # one set of coefficients, broadcast over tokens (token stride 0)
-                h_pre, h_post, h_res = self._static_coefficients()
-                h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
-            x_in, x_pass = pre_mix(x_flat, h_pre)
-        if self._recorder is not None:
-            self._recorder.append(h_res.detach().expand(T, n, n).reshape(*lead, n, n))
-        x_in = x_in.view(*lead, dim)
-
-        def finish(y):
-            y, rest = _branch_output(y, x_in.shape)
-            return _with_rest(_streams_of(post_mix(x_pass, y.reshape(T, dim), h_post, h_res), x.shape), rest)
-
-        return x_in, finish
+    def mixing_parameters(self):
+        if self.dynamic:
+            return self.phi, self.a_pre, self.a_post, self.a_res, self.b_pre, self.b_post, self.b_res
+        return None, None, None, None, self.b_pre, self.b_post, self.b_res
 
     def forward(self, x: torch.Tensor, *branch_args, **branch_kwargs):
         if self.branch is None:
@@ -406,9 +256,10 @@ class HyperConnection(nn.Module):
         return finish(self.branch(x_in, *branch_args, **branch_kwargs))
 
     def extra_repr(self) -> str:
+        eps = f", hc_eps={self.hc_eps}" if self.hc_eps else ""
         return (
             f"dim={self.dim}, n_streams={self.n_streams}, constraint={self.constraint!r}, "
-            f"dynamic={self.dynamic}, init={self.init!r}, sinkhorn_iters={self.sinkhorn_iters}"
+            f"dynamic={self.dynamic}, init={self.init!r}, sinkhorn_iters={self.sinkhorn_iters}{eps}"
         )
 
 
@@ -454,26 +305,26 @@ class LaneMixer(nn.Module):
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""
-        logits = self.logits.to(_coefficient_dtype(self.logits))
+        logits = self.logits.to(coefficient_dtype(self.logits))
         if self.dynamic:
             if x is None:
                 raise ValueError("a dynamic LaneMixer needs the lanes x to build its matrices")
-            _check_streams(x, self.n_lanes, self.dim, "x")
-            dtype = _coefficient_dtype(x, self.proj)
+            check_streams(x, self.n_lanes, self.dim, "x")
+            dtype = coefficient_dtype(x, self.proj)
             v = rearrange(x.to(dtype), "... s d -> ... (s d)")
-            dyn = (v @ self.proj.to(dtype)) * _rms_inverse(v, self.rms_eps)
+            dyn = (v @ self.proj.to(dtype)) * rms_inverse(v, self.rms_eps)
             logits = logits + rearrange(dyn, "... (t s) -> ... t s", t=self.n_lanes)
         return sinkhorn(logits, self.iters, backward=self.backward, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_streams(x, self.n_lanes, self.dim, "x")
+        check_streams(x, self.n_lanes, self.dim, "x")
         p = self.matrix(x)
         n = self.n_lanes
-        if n <= MAX_FUSED_STREAMS and _layer_backend(x, n, self.backend) == "triton":
+        if n <= MAX_FUSED_STREAMS and layer_backend(x, n, self.backend) == "triton":
             x_flat = x.reshape(-1, n, x.shape[-1])
             T = x_flat.shape[0]
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
-            return _streams_of(post_mix(x_flat, None, None, p), x.shape)
+            return streams_of(post_mix(x_flat, None, None, p), x.shape)
         return p.to(x.dtype) @ x  # [n, n] or [..., n, n] @ [..., n, dim]; matmul returns no view
 
     def extra_repr(self) -> str:

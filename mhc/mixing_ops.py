@@ -1,24 +1,26 @@
-"""Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing and mHC coefficient
-kernels, their autograd Functions and the functionals that :mod:`mhc.mixing` calls on its
+"""Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing, mHC coefficient and
+seam kernels, their autograd Functions and the functionals that :mod:`mhc.sites` calls on the
 ``"triton"`` path.
 
 Read top to bottom: ops (what ``torch.compile`` traces) -> Functions -> functionals.
 
 Every Function works on flattened tokens: streams ``x [T, n, d]``, branch tensors ``[T, d]``,
-coefficients fp32. The pre-mix Functions return ``x`` itself as their last output (``x_pass``),
-which the post-mix then consumes: the post-mix's gradient of ``x`` arrives at the pre-mix's
-backward as the gradient of ``x_pass`` and is added there in the same pass that writes the
-pre-mix's own gradient, so the streams' gradient is written once (no separate sum of two
-stream-sized gradients).
+coefficients fp32. The Functions that start a site (pre-mix, mHC coefficients, seam) return the
+streams they mix as their last output (``x_pass``), which the site's post-mix (or the next seam)
+then consumes: the post-mix's gradient of the streams arrives at the starting Function's backward
+as the gradient of ``x_pass`` and is added there in the same pass that writes its own gradient,
+so the streams' gradient is written once per site.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from mhc.layer import _kernels
+from mhc.layer import _kernels, sinkhorn_bwd_launch
 
-__all__ = ["pre_mix", "post_mix", "mhc_pre_mix"]
+__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
 
 # ------------------------------------------------------------------------------ ops
 # Optional outputs come back as empty tensors: custom ops return plain tensors only.
@@ -63,23 +65,28 @@ def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
     )
 
 
-@torch.library.custom_op("mhc::mhc_coefficients_fwd", mutates_args=())
-def _coefficients_fwd_op(
-    x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
-    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps)
-
-
-@_coefficients_fwd_op.register_fake
-def _(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps):
+def _coefficient_outputs_fake(x):
+    """Fake ``(x_in, p, r, h_pre, h_post, z_res, h_res)`` of a coefficient forward on ``x [T, n, d]``."""
     T, n, d = x.shape
     f32 = dict(dtype=torch.float32)
     return (
-        x.new_empty((T, d)), x.new_empty((T, phi.shape[1]), **f32), x.new_empty((T,), **f32),
+        x.new_empty((T, d)), x.new_empty((T, 2 * n + n * n), **f32), x.new_empty((T,), **f32),
         x.new_empty((T, n), **f32), x.new_empty((T, n), **f32),
         x.new_empty((T, n, n), **f32), x.new_empty((T, n, n), **f32),
     )
+
+
+@torch.library.custom_op("mhc::mhc_coefficients_fwd", mutates_args=())
+def _coefficients_fwd_op(
+    x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
+    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float, hc_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels().coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps)
+
+
+@_coefficients_fwd_op.register_fake
+def _(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps):
+    return _coefficient_outputs_fake(x)
 
 
 @torch.library.custom_op("mhc::mhc_coefficients_bwd", mutates_args=())
@@ -87,38 +94,78 @@ def _coefficients_bwd_op(
     x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
     p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor,
     dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
-    grad_x_acc: torch.Tensor | None,
+    grad_x_acc: torch.Tensor | None, hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _kernels().coefficients_bwd(
-        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc
+        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
     )
 
 
 @_coefficients_bwd_op.register_fake
-def _(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc):
+def _(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
     f32 = dict(dtype=torch.float32)
     return torch.empty_like(x), torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32)
 
 
+@torch.library.custom_op("mhc::mhc_seam_fwd", mutates_args=())
+def _seam_fwd_op(
+    x: torch.Tensor, y: torch.Tensor, h_post_l: torch.Tensor, h_res_l: torch.Tensor,
+    phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
+    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float, hc_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels().seam_fwd(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps)
+
+
+@_seam_fwd_op.register_fake
+def _(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps):
+    return (torch.empty_like(x), *_coefficient_outputs_fake(x))
+
+
+@torch.library.custom_op("mhc::mhc_seam_bwd", mutates_args=())
+def _seam_bwd_op(
+    x_next: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
+    p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor, dh_pre: torch.Tensor | None,
+    dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor, grad_x_acc: torch.Tensor | None,
+    x: torch.Tensor, y: torch.Tensor, h_post_l: torch.Tensor, h_res_l: torch.Tensor, hc_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels().seam_bwd(
+        x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
+        x, y, h_post_l, h_res_l, hc_eps,
+    )
+
+
+@_seam_bwd_op.register_fake
+def _(x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
+      x, y, h_post_l, h_res_l, hc_eps):
+    T, n, _ = x.shape
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(x), torch.empty_like(y), x.new_empty((T, n), **f32), x.new_empty((T, n, n), **f32),
+            torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32))
+
+
+def _stream_mix_bwd_compiled(*args):
+    return tuple(_none_if_empty(t) for t in torch.ops.mhc.stream_mix_bwd(*args))
+
+
+_EAGER = None
+_COMPILED = SimpleNamespace(
+    stream_mix_fwd=lambda *a: torch.ops.mhc.stream_mix_fwd(*a),
+    stream_mix_bwd=_stream_mix_bwd_compiled,
+    coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
+    coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
+    seam_fwd=lambda *a: torch.ops.mhc.mhc_seam_fwd(*a),
+    seam_bwd=lambda *a: torch.ops.mhc.mhc_seam_bwd(*a),
+)
+
+
 def _launchers():
     """The kernels' launchers in eager mode, the registered ops while ``torch.compile`` traces."""
+    global _EAGER
     if torch.compiler.is_compiling():
-        ops = torch.ops.mhc
-
-        def stream_mix_bwd(*args):
-            return tuple(_none_if_empty(t) for t in ops.stream_mix_bwd(*args))
-
-        return dict(
-            stream_mix_fwd=ops.stream_mix_fwd, stream_mix_bwd=stream_mix_bwd,
-            coefficients_fwd=ops.mhc_coefficients_fwd, coefficients_bwd=ops.mhc_coefficients_bwd,
-            sinkhorn_bwd=ops.sinkhorn_bwd, sinkhorn_implicit_bwd=ops.sinkhorn_implicit_bwd,
-        )
-    k = _kernels()
-    return dict(
-        stream_mix_fwd=k.stream_mix_fwd, stream_mix_bwd=k.stream_mix_bwd,
-        coefficients_fwd=k.coefficients_fwd, coefficients_bwd=k.coefficients_bwd,
-        sinkhorn_bwd=k.sinkhorn_bwd, sinkhorn_implicit_bwd=k.sinkhorn_implicit_bwd,
-    )
+        return _COMPILED
+    if _EAGER is None:
+        _EAGER = _kernels()
+    return _EAGER
 
 
 # ------------------------------------------------------------------------------ Functions
@@ -131,7 +178,7 @@ class PreMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h_pre):
         T, n, d = x.shape
-        x_in = _launchers()["stream_mix_fwd"](x, h_pre[:, None, :], None, None)
+        x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
         ctx.save_for_backward(x, h_pre)
         return x_in.view(T, d), x
 
@@ -141,7 +188,7 @@ class PreMixFunction(torch.autograd.Function):
         T, n, d = x.shape
         if grad_x_in is None:
             grad_x_in = x.new_zeros((T, d))
-        dx, _, dh_pre, _ = _launchers()["stream_mix_bwd"](
+        dx, _, dh_pre, _ = _launchers().stream_mix_bwd(
             x, h_pre[:, None, :], None, None, grad_x_in[:, None, :], grad_x_pass, True
         )
         return dx, dh_pre.view(T, n)
@@ -154,13 +201,51 @@ class PostMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, h_post, h_res):
         ctx.save_for_backward(x, y, h_post, h_res)
-        return _launchers()["stream_mix_fwd"](x, h_res, y, h_post)
+        return _launchers().stream_mix_fwd(x, h_res, y, h_post)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, y, h_post, h_res = ctx.saved_tensors
-        dx, dy, dh_res, dh_post = _launchers()["stream_mix_bwd"](x, h_res, y, h_post, grad_out, None, True)
+        dx, dy, dh_res, dh_post = _launchers().stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
         return dx, dy, dh_post, dh_res
+
+
+def _save_coefficients(ctx, x, params, outputs, settings, *extra):
+    """Save what a coefficient forward's backward needs: ``x``, ``phi`` and the gates, the per-token
+    fp32 values and the Sinkhorn's saved tensor (its logits; its output for the implicit backward),
+    then ``extra``."""
+    p, r, h_pre, h_post, z_res, h_res = outputs
+    sinkhorn_saved = z_res if settings[1] == "exact" else h_res
+    ctx.save_for_backward(x, *params[:4], p, r, h_pre, h_post, sinkhorn_saved, *extra)
+    ctx.settings = settings
+    ctx.gate_shapes = tuple(a.shape for a in params[1:4])
+
+
+def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
+    """``(dz_res, grad_x_in, grad_h_post)``: the Sinkhorn backward of ``grad_h_res`` and the
+    incoming gradients, ``None`` replaced by zeros. ``saved``: ``ctx.saved_tensors``, read once
+    (activation checkpointing allows one read)."""
+    x, h_post, sinkhorn_saved = saved[0], saved[8], saved[9]
+    iters, backward, _, hc_eps = ctx.settings
+    T, n, d = x.shape
+    if grad_x_in is None:
+        grad_x_in = x.new_zeros((T, d))
+    if grad_h_post is None:
+        grad_h_post = h_post.new_zeros((T, n))
+    if grad_h_res is None:
+        grad_h_res = h_post.new_zeros((T, n, n))
+    dz_res = sinkhorn_bwd_launch(sinkhorn_saved, grad_h_res.contiguous(), iters, backward, hc_eps)
+    return dz_res, grad_x_in, grad_h_post
+
+
+def _parameter_grads(ctx, dphi, dbias_gate, n):
+    """The gradients of ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` from the kernels'
+    ``dphi`` and packed ``[b_pre | b_post | b_res | a_pre, a_post, a_res]``."""
+    m = 2 * n + n * n
+    db, da = dbias_gate[:m], dbias_gate[m:]
+    s_pre, s_post, s_res = ctx.gate_shapes
+    return (dphi, da[0:1].view(s_pre), da[1:2].view(s_post), da[2:3].view(s_res),
+            db[:n], db[n:2 * n], db[2 * n:].view(n, n))
 
 
 class MHCPreMixFunction(torch.autograd.Function):
@@ -172,37 +257,54 @@ class MHCPreMixFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, backward, eps):
-        x_in, p, r, h_pre, h_post, z_res, h_res = _launchers()["coefficients_fwd"](
-            x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps
-        )
-        ctx.save_for_backward(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, z_res if backward == "exact" else h_res)
-        ctx.iters, ctx.backward_mode = iters, backward
-        return x_in, h_pre, h_post, h_res, x
+    def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, backward, eps, hc_eps):
+        params = (phi, a_pre, a_post, a_res, b_pre, b_post, b_res)
+        x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
+        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps))
+        return x_in, outputs[2], outputs[3], outputs[5], x
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
-        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, sinkhorn_saved = ctx.saved_tensors
-        T, n, d = x.shape
-        run = _launchers()
-        if grad_x_in is None:
-            grad_x_in = x.new_zeros((T, d))
-        if grad_h_post is None:
-            grad_h_post = h_post.new_zeros((T, n))
-        if grad_h_res is None:
-            grad_h_res = h_post.new_zeros((T, n, n))
-        if ctx.backward_mode == "exact":
-            dz_res = run["sinkhorn_bwd"](sinkhorn_saved, grad_h_res.contiguous(), ctx.iters)
-        else:
-            dz_res = run["sinkhorn_implicit_bwd"](sinkhorn_saved, grad_h_res.contiguous())
-        dx, dphi, dbias_gate = run["coefficients_bwd"](
-            x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in, grad_x_pass
+        saved = ctx.saved_tensors
+        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, _ = saved
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
+        dx, dphi, dbias_gate = _launchers().coefficients_bwd(
+            x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
+            grad_x_pass, ctx.settings[3],
         )
-        db, da = dbias_gate[: 2 * n + n * n], dbias_gate[2 * n + n * n :]
-        return (
-            dx, dphi, da[0].reshape(a_pre.shape), da[1].reshape(a_post.shape), da[2].reshape(a_res.shape),
-            db[:n], db[n : 2 * n], db[2 * n :].view(n, n), None, None, None,
+        return (dx, *_parameter_grads(ctx, dphi, dbias_gate, x.shape[1]), None, None, None, None)
+
+
+class MHCSeamFunction(torch.autograd.Function):
+    """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s dynamic mHC
+    coefficients and pre-mix in one op (``mhc.kernels.mhc_seam``).
+
+    ``(x [T, n, d], y [T, d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix inputs)
+    and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site ``l+1``'s
+    ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for the streams
+    ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient forward
+    would save apart.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res,
+                iters, backward, eps, hc_eps):
+        params = (phi, a_pre, a_post, a_res, b_pre, b_post, b_res)
+        x_next, x_in, *outputs = _launchers().seam_fwd(x, y, h_post_l, h_res_l, *params, iters, eps, hc_eps)
+        _save_coefficients(ctx, x_next, params, outputs, (iters, backward, eps, hc_eps), x, y, h_post_l, h_res_l)
+        return x_in, outputs[2], outputs[3], outputs[5], x_next
+
+    @staticmethod
+    def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+        saved = ctx.saved_tensors
+        x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
+        dx, dy, dh_post_l, dh_res_l, dphi, dbias_gate = _launchers().seam_bwd(
+            x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
+            grad_x_pass, x, y, h_post_l, h_res_l, ctx.settings[3],
         )
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_gate, x.shape[1]),
+                None, None, None, None)
 
 
 # ------------------------------------------------------------------------------ functionals
@@ -219,7 +321,16 @@ def post_mix(x: torch.Tensor, y: torch.Tensor | None, h_post: torch.Tensor | Non
     return PostMixFunction.apply(x, y, h_post, h_res)
 
 
-def mhc_pre_mix(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, backward: str, eps: float):
-    """Dynamic mHC coefficients and pre-mix: ``(x_in, h_pre, h_post, h_res, x_pass)``; see
-    :class:`MHCPreMixFunction`."""
-    return MHCPreMixFunction.apply(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, backward, eps)
+def mhc_pre_mix(x, params, iters: int, backward: str, eps: float, hc_eps: float = 0.0):
+    """Dynamic mHC coefficients and pre-mix of ``x [T, n, d]``: ``(x_in, h_pre, h_post, h_res, x_pass)``.
+
+    ``params``: fp32 ``(phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``;
+    see :class:`MHCPreMixFunction`."""
+    return MHCPreMixFunction.apply(x, *params, iters, backward, eps, hc_eps)
+
+
+def mhc_seam(x, y, h_post, h_res, params, iters: int, backward: str, eps: float, hc_eps: float = 0.0):
+    """Site ``l``'s post-mix of ``(x, y, h_post, h_res)`` followed by the next site's dynamic mHC
+    coefficients and pre-mix (``params`` as :func:`mhc_pre_mix`'s), in one op: the next site's
+    ``(x_in, h_pre, h_post, h_res, x_pass)``; see :class:`MHCSeamFunction`."""
+    return MHCSeamFunction.apply(x, y, h_post, h_res, *params, iters, backward, eps, hc_eps)

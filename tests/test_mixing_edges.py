@@ -15,7 +15,7 @@ SCALES = [0.0, 1e-30, 1e-8, 1e-3, 1.0]
 
 def logits_of_token(layer, token):
     """The gated logits ``a * (v . phi) * r`` of one token ``[n, dim]``, flattened (reference path)."""
-    pre, post, res = layer._dynamic_logits(token)
+    pre, post, res = layer.source.logits(layer, token)
     return torch.cat([pre.flatten(), post.flatten(), res.flatten()])
 
 

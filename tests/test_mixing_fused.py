@@ -248,3 +248,27 @@ def test_tuple_branch_with_cache_and_bad_tuples(backend):
         finish(())
     with pytest.raises(TypeError, match="tuple starting with one"):
         finish(("not a tensor",))
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_deepseek_v4_epsilon_on_both_paths(dynamic):
+    """``hc_eps``: ``h_pre = sigmoid + hc_eps`` and DeepSeek-V4's Sinkhorn, fused as the reference."""
+    fused, ref = layer_pair(12, 4, dynamic=dynamic, seed=12, hc_eps=1e-3)
+    x, grad = torch.randn(3, 5, 4, 12, device=DEVICE), torch.randn(3, 5, 4, 12, device=DEVICE)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
+    plain = HyperConnection(12, 4, dynamic=dynamic, backend="torch").to(DEVICE)
+    plain.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("branch")})
+    h_pre, _, h_res = ref.coefficients(x)
+    want_pre, _, want_res = plain.coefficients(x)
+    torch.testing.assert_close(h_pre, want_pre + 1e-3)
+    assert (h_res - want_res).abs().max() > 1e-5  # the eps placement changes h_res, not just h_pre
+    torch.testing.assert_close(h_res.sum(-1), torch.ones_like(h_res.sum(-1)), rtol=0, atol=5e-3)
+
+
+def test_deepseek_v4_epsilon_settings_raise():
+    with pytest.raises(ValueError, match="constraint='sinkhorn'"):
+        HyperConnection(4, 2, constraint="none", hc_eps=1e-6)
+    with pytest.raises(ValueError, match="exact backward"):
+        HyperConnection(4, 2, backward="implicit", hc_eps=1e-6)
+    with pytest.raises(ValueError, match="finite float >= 0"):
+        HyperConnection(4, 2, hc_eps=-1.0)

@@ -1,0 +1,152 @@
+"""Where a hyper-connection site's coefficients come from.
+
+One source per kind of layer, each a small stateless object that :class:`mhc.sites.Site` holds
+as ``site.source``:
+
+- :data:`DYNAMIC_MHC`: per-token mHC coefficients (arXiv 2512.24880, Eq. 7-9 in the kernel form of
+  Eq. 10-19): one projection of the RMS-normalised flattened token, gates, biases, ``sigmoid``,
+  ``2 sigmoid`` and Sinkhorn;
+- :data:`DYNAMIC_HC`: per-token coefficients of the original hyper-connection (arXiv 2409.19606):
+  per-stream RMS norm and ``a * tanh(x W) + b``, unconstrained;
+- :data:`STATIC_MHC`, :data:`STATIC_HC`: one set of coefficients per layer, from its biases.
+
+Each source computes the coefficients with PyTorch ops (:meth:`reference`, the reference path and
+the oracle of the tests) and starts a site on the fused path (:meth:`fused_start`: the branch
+input and the coefficients for flattened tokens). Only dynamic mHC has fused coefficient kernels
+(and so a fused seam, :mod:`mhc.sites`); the other sources feed PyTorch coefficients to the fused
+mixing kernels.
+
+Axis legend (einops): ``...`` leading dims, ``s`` source stream, ``t`` target stream, ``d`` channels.
+Coefficients are fp32 whatever the activation dtype, fp64 when the activations or the parameters
+are fp64 (so that a ``.double()`` layer is the exact oracle of the fused kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from mhc.layer import sinkhorn
+from mhc.mixing_ops import mhc_pre_mix, pre_mix
+
+__all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
+
+
+def coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when any of ``tensors`` is fp64."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
+    return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
+
+
+def _fp32(params):
+    return tuple(p if p.dtype == torch.float32 else p.float() for p in params)
+
+
+class DynamicMHC:
+    """Per-token mHC coefficients from ``site.mixing_parameters()``:
+    ``(phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``."""
+
+    fused_coefficients = True  # one kernel computes them with the pre-mix; the seam needs this
+
+    def logits(self, site, x: torch.Tensor):
+        """``(a_pre * pre, a_post * post, a_res * res)``: the gated projections before the biases,
+        ``[..., n]``, ``[..., n]``, ``[..., n, n]``."""
+        n = site.n_streams
+        phi, a_pre, a_post, a_res = site.mixing_parameters()[:4]
+        dtype = coefficient_dtype(x, phi)
+        v = rearrange(x.to(dtype), "... s d -> ... (s d)")
+        proj = (v @ phi.to(dtype)) * rms_inverse(v, site.rms_eps)
+        pre, post, res = proj.split([n, n, n * n], dim=-1)
+        return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
+
+    def reference(self, site, x: torch.Tensor):
+        b_pre, b_post, b_res = site.mixing_parameters()[4:]
+        dtype = coefficient_dtype(x, b_res)
+        pre, post, res = self.logits(site, x)
+        pre, post, res = b_pre.to(dtype) + pre, b_post.to(dtype) + post, b_res.to(dtype) + res
+        h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
+        return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
+
+    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
+        return mhc_pre_mix(x_flat, self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps,
+                           site.hc_eps)
+
+    def fused_parameters(self, site):
+        """``site.mixing_parameters()`` in fp32, as the kernels take them."""
+        return _fp32(site.mixing_parameters())
+
+
+class DynamicHC:
+    """Per-token coefficients of the unconstrained hyper-connection: ``phi [d, n + 2]`` shared by
+    the streams, each stream RMS-normalised on its own."""
+
+    fused_coefficients = False
+
+    def logits(self, site, x: torch.Tensor):
+        phi, a_pre, a_post, a_res = site.mixing_parameters()[:4]
+        dtype = coefficient_dtype(x, phi)
+        xf = x.to(dtype)
+        proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi.to(dtype))  # [..., s, n + 2]
+        return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
+
+    def reference(self, site, x: torch.Tensor):
+        b_pre, b_post, b_res = site.mixing_parameters()[4:]
+        dtype = coefficient_dtype(x, b_res)
+        pre, post, res = self.logits(site, x)
+        return b_pre.to(dtype) + pre, b_post.to(dtype) + post, b_res.to(dtype) + res
+
+    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
+        T, n = x_flat.shape[:2]
+        h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in self.reference(site, x))
+        x_in, x_pass = pre_mix(x_flat, h_pre)
+        return x_in, h_pre, h_post, h_res, x_pass
+
+
+class Static:
+    """One set of coefficients per layer, from the biases: ``sigmoid``, ``2 sigmoid`` and Sinkhorn
+    for mHC (``constraint="sinkhorn"``), the biases themselves for HC."""
+
+    fused_coefficients = False
+
+    def __init__(self, constrained: bool):
+        self.constrained = constrained
+
+    def coefficients(self, site):
+        """``(h_pre [n], h_post [n], h_res [n, n])``, fp32 (fp64 for fp64 parameters)."""
+        b_pre, b_post, b_res = site.mixing_parameters()[4:]
+        dtype = coefficient_dtype(b_res)
+        b_pre, b_post, b_res = b_pre.to(dtype), b_post.to(dtype), b_res.to(dtype)
+        if not self.constrained:
+            return b_pre, b_post, b_res
+        h_res = sinkhorn(b_res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
+        return torch.sigmoid(b_pre) + site.hc_eps, 2.0 * torch.sigmoid(b_post), h_res
+
+    def reference(self, site, x: torch.Tensor):
+        lead = x.shape[:-2]
+        h_pre, h_post, h_res = self.coefficients(site)
+        return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
+
+    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
+        # one set of coefficients, broadcast over tokens (token stride 0)
+        T, n = x_flat.shape[:2]
+        h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))
+        h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
+        x_in, x_pass = pre_mix(x_flat, h_pre)
+        return x_in, h_pre, h_post, h_res, x_pass
+
+
+DYNAMIC_MHC = DynamicMHC()
+DYNAMIC_HC = DynamicHC()
+STATIC_MHC = Static(constrained=True)
+STATIC_HC = Static(constrained=False)
+
+
+def source_for(constraint: str, dynamic: bool):
+    """The source of a layer with ``constraint`` (``"sinkhorn"`` or ``"none"``) and ``dynamic``."""
+    if dynamic:
+        return DYNAMIC_MHC if constraint == "sinkhorn" else DYNAMIC_HC
+    return STATIC_MHC if constraint == "sinkhorn" else STATIC_HC

@@ -1,0 +1,196 @@
+"""Which path runs a hyper-connection site, and how one site hands over to the next.
+
+A *site* is one hyper-connection around one branch: ``x_in, finish = site.split(x)`` mixes the
+streams into the branch input, ``finish(y)`` merges the branch output back into the streams.
+:class:`Site` holds the part every site shares; :class:`mhc.mixing.HyperConnection` is the site
+users build, and :mod:`mhc.integrations` adapt other models' modules to it.
+
+Two paths, chosen per call by :func:`layer_backend`:
+
+- the reference path (``"torch"``): coefficients from ``site.source.reference`` and the mixes as
+  ``einsum``; :class:`ReferenceFinish`;
+- the fused path (``"triton"``): ``site.source.fused_start`` (for dynamic mHC one kernel computes
+  the coefficients and the pre-mix) and the post-mix kernel; :class:`FusedFinish`.
+
+``finish(y, next=site_2)`` ends this site and starts the next one, returning ``site_2``'s
+``(x_in, finish)``: the same values as ``site_2.split(finish(y))``. On the fused path, when the
+next site has dynamic mHC coefficients, the two steps run as one kernel, the *seam*
+(``mhc.kernels.mhc_seam``): the new streams are written once and read once fewer times, forward
+and backward. Everywhere else ``next=`` composes the two steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum
+
+from mhc.layer import _kernels
+from mhc.mixing_ops import mhc_seam, post_mix
+
+__all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
+
+MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
+MAX_SEAM_STREAMS = 8  # largest n of the seam kernels (mhc.kernels.MAX_SEAM_STREAMS, tested)
+
+
+def check_floating(x, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_streams(x: torch.Tensor, n: int, dim: int | None, what: str) -> None:
+    check_floating(x, what)
+    if x.dim() < 2 or x.shape[-2] != n or (dim is not None and x.shape[-1] != dim):
+        want = f"[..., {n}, {dim if dim is not None else 'dim'}]"
+        raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
+
+
+def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
+    """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
+    ``n <= MAX_FUSED_STREAMS`` and the PyTorch reference otherwise."""
+    if backend == "auto":
+        return "triton" if x.is_cuda and n <= MAX_FUSED_STREAMS else "torch"
+    if backend == "triton":
+        if n > MAX_FUSED_STREAMS:
+            raise ValueError(
+                f"the fused mixing kernels take n <= {MAX_FUSED_STREAMS} streams, got {n}; use backend='torch'"
+            )
+        _kernels().check_device(x)
+    return backend
+
+
+def streams_of(out_flat: torch.Tensor, shape) -> torch.Tensor:
+    """The fused kernels' ``[T, n, dim]`` output as ``shape``, not recorded as a view (as aten's
+    matmul returns its reshaped product): the buffer has no other owner, and FSDP2 warns about
+    modules that return views."""
+    return torch.ops.aten._unsafe_view(out_flat, shape)
+
+
+def branch_output(out, shape):
+    """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
+    tensor mixed into the streams (attention modules returning weights or a cache)."""
+    rest = ()
+    if isinstance(out, (tuple, list)):
+        if len(out) == 0:
+            raise ValueError("the branch returned an empty tuple; its first element must be the output tensor")
+        out, rest = out[0], tuple(out[1:])
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out, rest
+
+
+def _returned(rest, *values):
+    """``finish``'s result: the values alone, or a tuple with the branch's extras after them."""
+    if len(values) == 1 and not rest:
+        return values[0]
+    return (*values, *rest)
+
+
+class Site:
+    """What every hyper-connection site shares: the checks, the choice of path and the recorder.
+
+    A subclass provides ``n_streams``, ``dim``, ``backend``, ``sinkhorn_iters``, ``backward``,
+    ``rms_eps``, ``hc_eps``, ``source`` (an :mod:`mhc.coefficients` source), ``_recorder``
+    (``None``, or a list that :func:`mhc.mixing.collect_h_res` sets) and
+    :meth:`mixing_parameters`.
+    """
+
+    def mixing_parameters(self):
+        """``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` (``phi`` and the gates only for
+        dynamic sources)."""
+        raise NotImplementedError
+
+    def coefficients(self, x: torch.Tensor):
+        """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on the reference
+        path for fp64 activations or parameters) for streams ``x [..., n, dim]``."""
+        check_streams(x, self.n_streams, self.dim, "x")
+        n, lead = self.n_streams, x.shape[:-2]
+        if self.source is not None and self.source.fused_coefficients and layer_backend(x, n, self.backend) == "triton":
+            _, h_pre, h_post, h_res, _ = self.source.fused_start(self, x.reshape(-1, n, self.dim), x)
+            return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
+        return self.source.reference(self, x)
+
+    def split(self, x: torch.Tensor):
+        """Two-step form for blocks that cannot be wrapped.
+
+        ``x_in, finish = site.split(x)``; ``x_in [..., dim]`` is the branch input; after computing
+        ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the site's output, and
+        ``finish(y, next=site_2)`` is ``site_2.split(finish(y))`` (see :mod:`mhc.sites`). If ``y``
+        is a tuple (or list), its first element is mixed into the streams and the extras follow
+        the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
+        """
+        check_streams(x, self.n_streams, self.dim, "x")
+        if layer_backend(x, self.n_streams, self.backend) == "triton":
+            n, dim = self.n_streams, self.dim
+            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x.reshape(-1, n, dim), x)
+            return self._fused_finish(x_in, h_post, h_res, x_pass, x.shape)
+        h_pre, h_post, h_res = self.source.reference(self, x)
+        self._record(h_res)
+        x_in = einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
+        return x_in, ReferenceFinish(self, x, h_post, h_res)
+
+    def _fused_finish(self, x_in, h_post, h_res, x_pass, shape):
+        lead, n = shape[:-2], self.n_streams
+        T = x_pass.shape[0]
+        self._record(h_res.expand(T, n, n).reshape(*lead, n, n))
+        return x_in.view(*lead, self.dim), FusedFinish(self, x_pass, h_post, h_res, shape)
+
+    def _record(self, h_res: torch.Tensor) -> None:
+        if self._recorder is not None:
+            self._recorder.append(h_res.detach())
+
+    def _check_next(self, next) -> None:
+        if not isinstance(next, Site):
+            raise TypeError(f"next must be a HyperConnection (an mhc site), got {type(next).__name__}")
+        if (next.n_streams, next.dim) != (self.n_streams, self.dim):
+            raise ValueError(
+                f"next must have the same n_streams and dim as this site ({self.n_streams}, {self.dim}), "
+                f"got ({next.n_streams}, {next.dim})"
+            )
+
+
+class ReferenceFinish:
+    """``finish`` of the reference path: ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``."""
+
+    def __init__(self, site: Site, x, h_post, h_res):
+        self.site, self.x, self.h_post, self.h_res = site, x, h_post, h_res
+
+    def __call__(self, y, next: Site | None = None):
+        x = self.x
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:])
+        if next is not None:
+            self.site._check_next(next)
+        dtype = x.dtype
+        mixed = einsum(self.h_res.to(dtype), x, "... t s, ... s d -> ... t d")
+        out = mixed + einsum(self.h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d")
+        return _returned(rest, out) if next is None else _returned(rest, *next.split(out))
+
+
+class FusedFinish:
+    """``finish`` of the fused path, on flattened tokens ``[T, n, dim]``: the post-mix kernel, or
+    with ``next`` the seam kernel when the next site's coefficients are dynamic mHC."""
+
+    def __init__(self, site: Site, x_pass, h_post, h_res, shape):
+        self.site, self.x_pass, self.h_post, self.h_res, self.shape = site, x_pass, h_post, h_res, shape
+
+    def __call__(self, y, next: Site | None = None):
+        site, shape = self.site, self.shape
+        y, rest = branch_output(y, shape[:-2] + shape[-1:])
+        T, dim = self.x_pass.shape[0], shape[-1]
+        y_flat = y.reshape(T, dim)
+        if next is None:
+            return _returned(rest, streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape))
+        site._check_next(next)
+        n = site.n_streams
+        if not (next.source.fused_coefficients and n <= MAX_SEAM_STREAMS and layer_backend(self.x_pass, n, next.backend) == "triton"):
+            out = streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape)
+            return _returned(rest, *next.split(out))
+        x_in, _, h_post, h_res, x_pass = mhc_seam(
+            self.x_pass, y_flat, self.h_post.expand(T, n), self.h_res.expand(T, n, n),
+            next.source.fused_parameters(next), next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
+        )
+        return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, shape))

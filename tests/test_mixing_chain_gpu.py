@@ -1,0 +1,94 @@
+"""Chained sites and DeepSeek-V4's epsilon on a CUDA GPU: the seam and eps kernels at full sizes."""
+
+
+import pytest
+import torch
+
+from mhc import reference
+from mhc.layer import sinkhorn
+from tests.test_mixing_chain import make_chain, run_chain, same_chain
+
+pytestmark = pytest.mark.gpu
+
+
+def _relative(got, exact):
+    return ((got.double() - exact.double()).norm() / exact.double().norm()).item()
+
+
+def _scaled(sites, dim):
+    """``phi`` at the scale of a trained projection (``1/sqrt(n*dim)``), as tests/test_mixing_gpu.py."""
+    with torch.no_grad():
+        for site in sites:
+            site.phi.normal_(std=site.phi.shape[0] ** -0.5)
+    return sites
+
+
+@pytest.mark.parametrize("dim, n, hc_eps", [(1000, 4, 0.0), (1536, 8, 0.0), (4096, 4, 1e-6), (96, 2, 0.0)])
+def test_chain_fp32_three_way(dim, n, hc_eps):
+    """fp32, three sites chained on the seam kernels: error against fp64 at most twice the
+    reference path's fp32 error, for the output and every gradient."""
+    sites = _scaled(make_chain(["mhc", "mhc", "mhc"], dim, n, "triton", seed=1, hc_eps=hc_eps), dim)
+    x = torch.randn(2, 333, n, dim, device="cuda")
+    w = torch.randn_like(x)
+    got = run_chain(sites, x, w, chained=True)
+    low = run_chain(same_chain(sites, "torch"), x, w, chained=False)
+    exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), w.double(), chained=False)
+    errors = {k: (_relative(got[k], exact[k]), _relative(low[k], exact[k])) for k in exact}
+    assert all(err <= 2 * err_ref + 1e-6 for err, err_ref in errors.values()), errors
+
+
+def test_chain_bf16_full_size():
+    """bf16, d = 4096, n = 4, 2048 tokens: the streams, their gradient and ``phi`` meet the three-way
+    rule; every gradient is as accurate chained as unchained."""
+    sites = _scaled(make_chain(["mhc", "mhc"], 4096, 4, "triton", seed=2), 4096)
+    x = torch.randn(2048, 4, 4096, device="cuda")
+    w = torch.randn_like(x)
+    exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), w.double(), chained=False)
+    low_ref = same_chain(sites, "torch")
+    for site in sites + low_ref:
+        site.branch.to(torch.bfloat16)
+    low = run_chain(low_ref, x.bfloat16(), w.bfloat16(), chained=False)
+    got = run_chain(sites, x.bfloat16(), w.bfloat16(), chained=True)
+    unchained = run_chain(sites, x.bfloat16(), w.bfloat16(), chained=False)
+    for k in exact:
+        if ".branch." in k:
+            continue
+        err, err_ref, err_un = _relative(got[k], exact[k]), _relative(low[k], exact[k]), _relative(unchained[k], exact[k])
+        assert err <= 1.25 * err_un + 1e-3, (k, err, err_un)
+        if k in ("out", "x") or k.endswith("phi"):
+            assert err <= 2 * err_ref + 1e-6, (k, err, err_ref)
+
+
+def test_chain_gradients_bit_identical_at_scale():
+    sites = _scaled(make_chain(["mhc", "mhc", "mhc"], 2048, 4, "triton", seed=3), 2048)
+    for site in sites:
+        site.branch.to(torch.bfloat16)
+    x = torch.randn(16384, 4, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn_like(x)
+    first, second = run_chain(sites, x, w, chained=True), run_chain(sites, x, w, chained=True)
+    for k in first:
+        assert torch.equal(first[k], second[k]), k
+
+
+def test_sinkhorn_eps_kernels_at_scale():
+    """2^20 matrices, n = 4, 20 iterations, V4's eps: forward and exact gradient against fp64."""
+    x = (torch.randn(2**20, 4, 4, device="cuda") * 2).requires_grad_()
+    g = torch.randn_like(x)
+    out = sinkhorn(x, 20, eps=1e-6)
+    (dx,) = torch.autograd.grad(out, x, g)
+    xd = x.detach().double().requires_grad_()
+    want = reference.sinkhorn_eps(xd, 20, 1e-6)
+    (dx_want,) = torch.autograd.grad(want, xd, g.double())
+    assert (out.double() - want).abs().max() < 2e-6
+    assert _relative(dx, dx_want) < 1e-5
+
+
+def test_hc_eps_layer_matches_fp64_at_full_size():
+    """One site with ``hc_eps = 1e-6`` (DeepSeek-V4), d = 4096, fp32: fused against fp64."""
+    (site,) = _scaled(make_chain(["mhc"], 4096, 4, "triton", seed=4, hc_eps=1e-6), 4096)
+    x = torch.randn(1024, 4, 4096, device="cuda")
+    w = torch.randn_like(x)
+    got = run_chain([site], x, w, chained=False)
+    exact = run_chain([s.double() for s in same_chain([site], "torch")], x.double(), w.double(), chained=False)
+    for k in exact:
+        assert _relative(got[k], exact[k]) < 2e-5, k
