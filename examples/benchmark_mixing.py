@@ -10,9 +10,12 @@ after warm-up, in one run:
 - ``block``: one MLP block (RMSNorm, d -> 4d -> d, GELU) with a plain residual, inside an mhc
   ``HyperConnection`` (fused kernels and the PyTorch reference path) and inside Liger-Kernel's
   ``LigerMHC``, for every d and n asked; peak memory beyond the inputs;
-- ``model``: an 8-layer GPT (d = 1024, 16 heads, SDPA attention, 16 hyper-connections), 8 x 2048
-  tokens, bf16 weights (mhc's coefficient parameters fp32), AdamW: one training step, eager and
-  ``torch.compile``; step time, tokens/s, peak memory.
+- ``model``: GPTs (d = 1024: 8 layers, 16 heads, 8 x 2048 tokens; d = 4096: 2 layers, 32 heads,
+  4 x 2048 tokens; SDPA attention, two hyper-connections per layer), bf16 weights (mhc's
+  coefficient parameters fp32), AdamW: one training step, eager and ``torch.compile``, the arms
+  interleaved over ``--repeats`` rounds; step time, tokens/s, ratio to the plain model (median of
+  the within-round ratios), peak memory. ``mhc`` calls every site as a module, ``mhc-chain``
+  chains them (``finish(y, next=...)``: the seam kernels between sites).
 
 Then a profile of the fused block (where the time goes). Peers that are not installed are
 reported as skipped. Writes ``kernels.csv``, ``block.csv``, ``model.csv`` and ``profile.txt``.
@@ -90,7 +93,7 @@ def wrap(arm: str, branch: nn.Module, dim: int, n: int) -> nn.Module:
     library keeps them (fp32 for mhc, bf16 ``phi`` for Liger)."""
     if arm == "plain":
         return Residual(branch)
-    if arm == "mhc":
+    if arm in ("mhc", "mhc-chain"):
         return HyperConnection(dim, n, branch, init="zero").cuda()
     if arm == "mhc-torch":
         return HyperConnection(dim, n, branch, init="zero", backend="torch").cuda()
@@ -139,6 +142,13 @@ def kernel_table(dim, n, tokens, copy_gbps):
             lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
             4 * X + 2 * Y),
     }
+    x_next, x_in2, p2, r2, h_pre2, h_post2, z_res2, h_res2 = kernels.seam_fwd(
+        x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
+    calls["seam fwd: post-mix + next coefficients + pre-mix (read x, y, x' again; write x', x_in)"] = (
+        lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6), 3 * X + 2 * Y)
+    calls["seam bwd: coefficient grad + projection bwd + post-mix bwd (read x' twice, dx_acc, x, y, dx_in twice; write dx, dy)"] = (
+        lambda: kernels.seam_bwd(x_next, phi, *gates, p2, r2, h_pre2, h_post2, None, h_post2, dh_res, g_in, g_out,
+                                 x, y, h_post, h_res), 5 * X + 4 * Y)
     rows = []
     for name, (call, nbytes) in calls.items():
         ms = do_bench(call, warmup=25, rep=100, return_mode="median")
@@ -192,6 +202,12 @@ def block_table(dims, ns, tokens, repeats=3):
 # ------------------------------------------------------------------------------ model
 
 
+MODELS = {
+    "1024": dict(dim=1024, layers=8, heads=16, batch=8),
+    "4096": dict(dim=4096, layers=2, heads=32, batch=4),
+}
+
+
 class GPT(nn.Module):
     def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4):
         super().__init__()
@@ -207,6 +223,14 @@ class GPT(nn.Module):
         if self.arm == "plain":
             for block in self.blocks:
                 h = block(h)
+        elif self.arm == "mhc-chain":
+            x_in, finish = self.blocks[0].split(expand_streams(h, self.n))
+            for site, nxt in zip(self.blocks, list(self.blocks[1:]) + [None]):
+                y = site.branch(x_in)
+                if nxt is None:
+                    h = reduce_streams(finish(y))
+                else:
+                    x_in, finish = finish(y, next=nxt)
         else:
             x = expand_streams(h, self.n)
             for block in self.blocks:
@@ -216,55 +240,84 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def model_table(batch, seq, compile_modes, only=None):
+def _static_bytes(model, opt) -> int:
+    """Parameters and optimizer state of one model: what its step's peak holds besides activations."""
+    tensors = list(model.parameters()) + [t for state in opt.state.values() for t in state.values()
+                                          if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def model_table(configs, seq, compile_modes, only=None, repeats=3):
+    """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
+    (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
+    within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
+    of one step (the other arms' models are resident meanwhile and not counted)."""
     from triton.testing import do_bench
 
     arms, skipped = _arms()
-    arms = [arm for arm in arms if only is None or arm in only]
+    arms = [arm for arm in ["plain", "mhc", "mhc-chain", "mhc-torch", "liger"]
+            if arm in arms + ["mhc-chain"] and (only is None or arm in only)]
     rows = []
-    base = {}
-    for compiled in compile_modes:
-        for arm in arms:
-            torch.manual_seed(0)
-            model = GPT(arm).cuda()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            run = torch.compile(model) if compiled else model
-            tokens = torch.randint(0, 32768, (batch, seq), device="cuda")
-            targets = torch.randint(0, 32768, (batch, seq), device="cuda")
+    for config in configs:
+        cfg = MODELS[config]
+        tokens_per_step = cfg["batch"] * seq
+        for compiled in compile_modes:
+            runs = {}
+            for arm in arms:
+                if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets
+                    continue
+                torch.manual_seed(0)
+                model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+                run = torch.compile(model) if compiled else model
+                tokens = torch.randint(0, 32768, (cfg["batch"], seq), device="cuda")
+                targets = torch.randint(0, 32768, (cfg["batch"], seq), device="cuda")
 
-            def step():
-                run(tokens, targets).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                def step(run=run, opt=opt, tokens=tokens, targets=targets):
+                    run(tokens, targets).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
 
-            name = f"{arm}{' (compiled)' if compiled else ''}"
-            note = ""
-            try:
                 t0 = time.perf_counter()
-                step()
+                try:
+                    step()
+                    torch.cuda.synchronize()
+                    runs[arm] = (step, model, opt, time.perf_counter() - t0, "")
+                except Exception as e:  # a peer that cannot run is reported, not hidden
+                    runs[arm] = (None, model, opt, float("nan"), f"failed: {type(e).__name__}: {e}"[:200])
+            times = {arm: [] for arm in runs}
+            for _ in range(repeats):
+                for arm, (step, *_rest) in runs.items():
+                    times[arm].append(do_bench(step, warmup=50, rep=300, return_mode="median") if step else float("nan"))
+            peaks = {}
+            for arm, (step, model, opt, _, _) in runs.items():
+                if step is None:
+                    peaks[arm] = float("nan")
+                    continue
                 torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                ms = do_bench(step, warmup=100, rep=300, return_mode="median")
-                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step()
                 torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() / 2**30
-            except Exception as e:  # a peer that cannot compile is reported, not hidden
-                ms, peak, first, note = float("nan"), float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:200]
-            key = "compiled" if compiled else "eager"
-            if arm == "plain":
-                base[key] = (ms, peak)
-            b_ms, b_peak = base.get(key, (float("nan"), float("nan")))
-            rows.append(dict(arm=name, ms=ms, tokens_per_s=batch * seq / ms * 1e3, x_plain=ms / b_ms,
-                             peak_gib=peak, peak_x_plain=peak / b_peak, first_step_s=first, note=note))
-            print(f"  {name:>22} {ms:8.2f} ms {batch * seq / ms * 1e3 / 1e3:7.0f}k tok/s {ms / b_ms:5.2f}x "
-                  f"peak {peak:6.2f} GiB ({peak / b_peak:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
-            del model, opt, run
+                peaks[arm] = (torch.cuda.max_memory_allocated() - before + _static_bytes(model, opt)) / 2**30
+            name = "compiled" if compiled else "eager"
+            for arm, (step, model, opt, first, note) in runs.items():
+                ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
+                ms = statistics.median(times[arm])
+                ratio = statistics.median(ratios)
+                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={cfg['batch']}", mode=name, arm=arm, ms=ms,
+                                 tokens_per_s=tokens_per_step / ms * 1e3, x_plain=ratio, x_plain_min=ratios[0],
+                                 x_plain_max=ratios[-1], peak_gib=peaks[arm], peak_x_plain=peaks[arm] / peaks["plain"],
+                                 first_step_s=first, note=note))
+                print(f"  d={cfg['dim']:5d} {name:>8} {arm:>10} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
+                      f"{ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) peak {peaks[arm]:6.2f} GiB "
+                      f"({peaks[arm] / peaks['plain']:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
+            del runs
             torch.cuda.empty_cache()
     for arm, reason in skipped.items():
-        rows.append(dict(arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
-                         peak_gib=float("nan"), peak_x_plain=float("nan"), first_step_s=float("nan"), note=reason))
+        rows.append(dict(model="", mode="", arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
+                         x_plain_min=float("nan"), x_plain_max=float("nan"), peak_gib=float("nan"),
+                         peak_x_plain=float("nan"), first_step_s=float("nan"), note=reason))
     return rows
 
 
@@ -301,13 +354,14 @@ def main(argv=None):
     p.add_argument("--streams", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=3, help="block table: interleaved rounds of every arm")
-    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
                    choices=["kernels", "block", "model", "profile"])
     p.add_argument("--no-compile", action="store_true", help="model table: eager only")
-    p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-torch", "liger"],
+    p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-chain", "mhc-torch", "liger"],
                    help="model table: only these arms (default: all)")
+    p.add_argument("--models", nargs="+", default=["1024", "4096"], choices=sorted(MODELS),
+                   help="model table: the GPT configurations (by width)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
@@ -330,11 +384,13 @@ def main(argv=None):
         write_csv(rows, f"{args.out_dir}/block.csv",
                   ["dim", "n", "arm", "ms", "x_plain", "x_plain_min", "x_plain_max", "peak_extra_gib", "note"])
     if "model" in args.tables:
-        print(f"## model: 8-layer GPT, d=1024, {args.batch} x {args.seq} tokens, AdamW step", flush=True)
-        rows = model_table(args.batch, args.seq, [False] if args.no_compile else [False, True],
-                           args.arms)
+        print(f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
+              flush=True)
+        rows = model_table(args.models, args.seq, [False] if args.no_compile else [False, True], args.arms,
+                           args.repeats)
         write_csv(rows, f"{args.out_dir}/model.csv",
-                  ["arm", "ms", "tokens_per_s", "x_plain", "peak_gib", "peak_x_plain", "first_step_s", "note"])
+                  ["model", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
+                   "peak_x_plain", "first_step_s", "note"])
     if "profile" in args.tables:
         table = profile_block(4096, 4, args.tokens, args.profile_rows)
         print(table, flush=True)

@@ -187,13 +187,18 @@ class TinyGPT(nn.Module):
     """GPT whose every branch (attention, MLP) sits on a plain residual (``baseline``) or inside a
     :class:`HyperConnection` on ``streams`` residual streams (``hc``: unconstrained, ``mhc``: h_res
     doubly stochastic). The head and loss are one :class:`LinearCrossEntropy`. With
-    ``checkpoint_blocks`` every block's activations are recomputed in the backward."""
+    ``checkpoint_blocks`` every block's activations are recomputed in the backward. With ``chain``
+    (and without checkpointing) the hyper-connections hand over to one another,
+    ``finish(y, next=...)``: on a GPU the seam kernels run between consecutive mHC sites. FSDP2
+    shards each hyper-connection as its own unit and gathers its parameters when the module is
+    called, so sharded runs call every site as a module (``chain=False``)."""
 
     def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss,
-                 checkpoint_blocks=False):
+                 checkpoint_blocks=False, chain=True):
         super().__init__()
         self.residual, self.streams, self.loss = residual, streams, loss
         self.checkpoint_blocks = checkpoint_blocks
+        self.chain = chain and not checkpoint_blocks
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
         branches = [m for _ in range(layers) for m in (Attention(dim, heads), MLP(dim))]
@@ -213,6 +218,14 @@ class TinyGPT(nn.Module):
         if self.residual == "baseline":
             for branch in self.blocks:
                 h = h + self._run(branch, h)
+        elif self.chain:
+            x_in, finish = self.blocks[0].split(expand_streams(h, self.streams))  # streams [B, T, n, dim]
+            for hc, nxt in zip(self.blocks, list(self.blocks[1:]) + [None]):
+                y = hc.branch(x_in)
+                if nxt is None:
+                    h = reduce_streams(finish(y))
+                else:
+                    x_in, finish = finish(y, next=nxt)
         else:
             x = expand_streams(h, self.streams)  # [B, T, n, dim]
             for hc in self.blocks:
@@ -236,7 +249,7 @@ class TinyGPT(nn.Module):
 def build_model(args, arm: str, vocab: int) -> TinyGPT:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     return TinyGPT(vocab, args.dim, args.layers, args.heads, args.seq_len, arm, args.streams,
-                   args.sinkhorn_iters, args.loss, args.checkpoint_activations)
+                   args.sinkhorn_iters, args.loss, args.checkpoint_activations, chain=not args.fsdp)
 
 
 def shard(model: TinyGPT, args) -> TinyGPT:
