@@ -30,7 +30,7 @@ from mhc.mixing_ops import mhc_seam, post_mix
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
 MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
-MAX_SEAM_STREAMS = 8  # largest n of the seam kernels (mhc.kernels.MAX_SEAM_STREAMS, tested)
+MAX_SEAM_STREAMS = 4  # largest n of the seam kernels (mhc.kernels.MAX_SEAM_STREAMS, tested)
 
 
 def check_floating(x, what: str) -> None:

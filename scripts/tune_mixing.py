@@ -1,7 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [coefficients] [mix-bwd]
-                                  [model-profile] [n=8]
+                                  [seam] [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -9,6 +9,8 @@
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
+- ``seam``: the seam kernels (``mhc_seam``) over tile configurations at d = 1024 and 4096, n = 4
+  (``n=2``: 2), 16k tokens, with registers and spills, against the unchained kernels they replace;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
   with mhc hyper-connections under the profiler (CPU and CUDA time per op).
@@ -56,26 +58,53 @@ def compile_times():
 
 
 def launch_overhead():
-    """Host time of one layer's forward + backward at 64 tokens (GPU time negligible)."""
+    """Host time of one site's forward + backward at 64 tokens (GPU time negligible): the branch
+    alone, a plain residual, a HyperConnection called as a module, one site of a chain of eight
+    (``finish(y, next=...)``), and Liger-Kernel's LigerMHC."""
     from benchmark_mixing import MLP, wrap
 
+    from mhc.mixing import HyperConnection
+
+    dim, sites = 256, 8
+    branch = MLP(dim).cuda().to(torch.bfloat16)
+    h = torch.randn(64, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _host_time("branch alone", lambda: branch(h).backward(torch.ones_like(h)))
     for arm in ("plain", "mhc", "liger"):
         try:
-            module = wrap(arm, MLP(256).cuda().to(torch.bfloat16), 256, 4)
+            module = wrap(arm, MLP(dim).cuda().to(torch.bfloat16), dim, 4)
         except Exception as e:
             print(f"  {arm}: skipped ({type(e).__name__})")
             continue
-        shape = (64, 256) if arm == "plain" else (64, 4, 256)
+        shape = (64, dim) if arm == "plain" else (64, 4, dim)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn_like(x)
-        for _ in range(20):
-            module(x).backward(w)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            module(x).backward(w)
-        torch.cuda.synchronize()
-        print(f"  host time fwd+bwd {arm:>6}: {(time.perf_counter() - t0) / 200 * 1e6:7.0f} us", flush=True)
+        _host_time(arm, lambda: module(x).backward(w))
+    chain = [HyperConnection(dim, 4, MLP(dim).cuda().to(torch.bfloat16), init="zero").cuda() for _ in range(sites)]
+    x = torch.randn(64, 4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn_like(x)
+
+    def chained():
+        x_in, finish = chain[0].split(x)
+        for site, nxt in zip(chain, chain[1:] + [None]):
+            y = site.branch(x_in)
+            if nxt is None:
+                out = finish(y)
+            else:
+                x_in, finish = finish(y, next=nxt)
+        out.backward(w)
+
+    _host_time(f"mhc chained (per site, {sites} sites)", chained, per=sites)
+
+
+def _host_time(label, step, per=1):
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        step()
+    torch.cuda.synchronize()
+    print(f"  host time fwd+bwd {label:>34}: {(time.perf_counter() - t0) / 200 / per * 1e6:7.0f} us", flush=True)
 
 
 def host_profile():
@@ -204,6 +233,79 @@ def sweep_mix_bwd():
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
 
+def _capture(module, name):
+    """Replace ``module.name`` (a jitted kernel) by a proxy that records the compiled kernel."""
+    jit = getattr(module, name)
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured["k"] = jit[grid](*args, **kwargs)
+            return launch
+
+    setattr(module, name, Capture())
+    return jit, captured
+
+
+def sweep_seam():
+    """Seam forward and backward over tile configurations, against the unchained kernels."""
+    from mhc.kernels import mhc_seam
+
+    n, T = STREAMS, 16384
+    # registers of each from offline compiles for sm_90 (docs/benchmarks/mixing_seam_h100.log)
+    fwd_configs = [mhc_seam.seam_fwd_config(n), (64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 3), (32, 16, 4, 2)]
+    bwd_configs = [mhc_seam.seam_bwd_config(n, 1024), (16, 64, 4, 2, 4, None), (64, 64, 8, 1, 4, None),
+                   (32, 32, 4, 2, 4, None), (32, 128, 8, 2, 4, None), (32, 64, 8, 2, 8, None)]
+    fwd_original, bwd_original = mhc_seam.seam_fwd_config, mhc_seam.seam_bwd_config
+    for dim in (1024, 4096):
+        x, phi, gates, biases = _inputs(dim, n, T)
+        y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+        h_post = torch.rand(T, n, device="cuda") * 2
+        h_res = torch.softmax(torch.randn(T, n, n, device="cuda"), -1)
+        X, Y = x.numel() * 2, y.numel() * 2
+        print(f"  d={dim}: launchers' choice fwd {fwd_original(n)} bwd {bwd_original(n, dim)}", flush=True)
+        _time(f"unchained fwd: post-mix + coefficients d={dim}", lambda: kernels.coefficients_fwd(
+            kernels.stream_mix_fwd(x, h_res, y, h_post), phi, *gates, *biases, 20, 1e-6), 4 * X + 2 * Y)
+        for cfg in fwd_configs:
+            mhc_seam.seam_fwd_config = lambda n, cfg=cfg: cfg
+            jit, captured = _capture(mhc_seam, "seam_fwd_kernel")
+            call = lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
+            try:
+                call()
+            except Exception as e:  # e.g. more shared memory than the device has
+                print(f"  seam fwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+                continue
+            finally:
+                mhc_seam.seam_fwd_kernel = jit
+            k = captured["k"]
+            _time(f"seam fwd d={dim} {cfg} regs {k.n_regs} spills {k.n_spills}", call, 3 * X + 2 * Y)
+        mhc_seam.seam_fwd_config = fwd_original
+        x_next, x_in, p, r, h_pre, h_post2, z_res, h_res2 = kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
+        g_in, g_acc, dh = torch.randn_like(y), torch.randn_like(x), torch.randn_like(h_res)
+
+        def unchained():
+            dx_next = kernels.coefficients_bwd(x_next, phi, *gates, p, r, h_pre, h_post2, None, h_post2, dh, g_in, g_acc)[0]
+            return kernels.stream_mix_bwd(x, h_res, y, h_post, dx_next)
+
+        _time(f"unchained bwd: coefficients bwd + post-mix bwd d={dim}", unchained, 7 * X + 4 * Y)
+        for cfg in bwd_configs:
+            mhc_seam.seam_bwd_config = lambda n, d, cfg=cfg: cfg
+            jit, captured = _capture(mhc_seam, "seam_bwd_kernel")
+            call = lambda: kernels.seam_bwd(x_next, phi, *gates, p, r, h_pre, h_post2, None, h_post2, dh, g_in, g_acc,
+                                            x, y, h_post, h_res)
+            try:
+                call()
+            except Exception as e:
+                print(f"  seam bwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+                continue
+            finally:
+                mhc_seam.seam_bwd_kernel = jit
+            k = captured["k"]
+            _time(f"seam bwd d={dim} {cfg} regs {k.n_regs} spills {k.n_spills}", call, 5 * X + 4 * Y)
+        mhc_seam.seam_bwd_config = bwd_original
+
+
 def model_profile():
     from torch.profiler import ProfilerActivity, profile
 
@@ -245,7 +347,7 @@ if __name__ == "__main__":
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
-                     ("mix-bwd", sweep_mix_bwd),
+                     ("mix-bwd", sweep_mix_bwd), ("seam", sweep_seam),
                      ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)

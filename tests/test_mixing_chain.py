@@ -104,8 +104,9 @@ def test_chained_equals_unchained(backend, n, dim, lead, kinds, hc_eps, seed, na
         assert_all_close(chained, run_chain(same_chain(sites, "torch"), x, grad, chained=False), rtol=3e-5, atol=3e-5)
 
 
-@pytest.mark.parametrize("n", [MAX_SEAM_STREAMS, 12])  # 12: beyond the seam kernels, composed
+@pytest.mark.parametrize("n", [MAX_SEAM_STREAMS, 8, 12])  # beyond MAX_SEAM_STREAMS: composed
 def test_wide_chains(n):
+    assert kernels.MAX_SEAM_STREAMS == MAX_SEAM_STREAMS
     sites = make_chain(["mhc", "mhc", "mhc"], 6, n, "triton", seed=1, scale=0.2)
     x, grad = torch.randn(2, 5, n, 6, device=DEVICE), torch.randn(2, 5, n, 6, device=DEVICE)
     want = run_chain(same_chain(sites, "torch"), x, grad, chained=False)

@@ -31,7 +31,9 @@ from mhc.kernels.mhc_coefficients import (
     pre_mix_pass, sinkhorn_epilogue, token_splits,
 )
 
-MAX_SEAM_STREAMS = 8  # the streams of a chunk are unrolled, and all of them are live in the backward
+# the streams of a chunk are unrolled and all live in the backward: beyond 4 the kernels spill
+# (offline compiles for sm_90 with Triton 3.6: 3-7 KB of stack at n = 8)
+MAX_SEAM_STREAMS = 4
 
 
 @triton.jit
@@ -113,103 +115,102 @@ def seam_bwd_kernel(
     # channel chunk fp32 partials dh_res [CHUNKS, T, N * N], dh_post [CHUNKS, T, N]
     dx_ptr, dy_ptr, dphi_ptr, dh_res_ptr, dh_post_ptr,
     T, D, SPLITS,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, MP: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
-    # program: channels o_c of every stream, every SPLITS-th token block
+    # program: channels o_c of every stream, every SPLITS-th token block; the M columns of phi
+    # and g as one tile MP wide (n <= 4: M <= 24, one tile of 32 rather than two of 16)
     i_c = tl.program_id(0)
     i_s = tl.program_id(1)
     o_c = i_c * BLOCK_D + tl.arange(0, BLOCK_D)
     c_ok = o_c < D
-    o_pp = tl.arange(0, NPP)
-    o_res = tl.arange(0, NRES)
-    m_pp = (o_pp < 2 * N)[None, :]
-    m_res = (o_res < N * N)[None, :]
+    o_m = tl.arange(0, MP)
+    m_m = (o_m < M)[None, :]
 
-    dphi_pp = ()
-    dphi_res = ()
+    dphi = ()
     for i in tl.static_range(N):
-        dphi_pp = dphi_pp + (tl.zeros([BLOCK_D, NPP], dtype=tl.float32),)
-        dphi_res = dphi_res + (tl.zeros([BLOCK_D, NRES], dtype=tl.float32),)
-    for i_t in range(i_s, tl.cdiv(T, BLOCK_T), SPLITS):
-        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-        t_ok = o_t < T
+        dphi = dphi + (tl.zeros([BLOCK_D, MP], dtype=tl.float32),)
+    o_tl = tl.arange(0, BLOCK_T)  # int32 offsets inside a token block, from its base pointers
+    t0 = i_s.to(tl.int64) * BLOCK_T  # the block's first token
+    for _ in range(i_s, tl.cdiv(T, BLOCK_T), SPLITS):
+        t_ok = t0 + o_tl < T
         m = t_ok[:, None] & c_ok[None, :]
-        b_g_pp = tl.load(g_ptr + o_t[:, None] * M + o_pp[None, :], mask=t_ok[:, None] & m_pp, other=0.0)
-        b_g_res = tl.load(g_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=t_ok[:, None] & m_res, other=0.0)
-        c = tl.load(c_ptr + o_t, mask=t_ok, other=0.0)
-        b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+        o_s = o_tl[:, None] * (N * D) + o_c[None, :]  # stream 0's tile in a [T, N, D] tensor
+        o_b = o_tl[:, None] * D + o_c[None, :]  # the tile in a [T, D] tensor
+        b_g = tl.load(g_ptr + t0 * M + o_tl[:, None] * M + o_m[None, :], mask=t_ok[:, None] & m_m, other=0.0)
+        c = tl.load(c_ptr + t0 + o_tl, mask=t_ok, other=0.0)
+        b_dx_in = tl.load(dx_in_ptr + t0 * D + o_b, mask=m, other=0.0).to(tl.float32)
 
-        # site l+1's projection backward, stream by stream (projection_bwd_kernel's order)
+        # site l+1's projection backward, stream by stream (projection_bwd_kernel's terms)
+        x_next_blk = x_next_ptr + t0 * (N * D)
+        dx_acc_blk = dx_acc_ptr + t0 * (N * D)
         dx_next = ()
-        dphi_pp_new = ()
-        dphi_res_new = ()
+        dphi_new = ()
         for i in tl.static_range(N):
-            p_phi = phi_ptr + (i * D + o_c)[:, None] * M
-            phi_pp_t = tl.trans(tl.load(p_phi + o_pp[None, :], mask=c_ok[:, None] & m_pp, other=0.0))
-            phi_res_t = tl.trans(tl.load(p_phi + 2 * N + o_res[None, :], mask=c_ok[:, None] & m_res, other=0.0))
-            p_x = o_t[:, None] * (N * D) + i * D + o_c[None, :]
-            b_x = tl.load(x_next_ptr + p_x, mask=m, other=0.0)
-            h_pre = tl.load(h_pre_ptr + o_t * N + i, mask=t_ok, other=0.0)
+            phi_t = tl.trans(tl.load(phi_ptr + (i * D + o_c)[:, None] * M + o_m[None, :], mask=c_ok[:, None] & m_m,
+                                     other=0.0))
+            b_x = tl.load(x_next_blk + i * D + o_s, mask=m, other=0.0)
+            h_pre = tl.load(h_pre_ptr + t0 * N + o_tl * N + i, mask=t_ok, other=0.0)
             rest = h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
             if ACCUMULATE:
-                rest += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
-            dx_i = tl.dot(b_g_pp, phi_pp_t, input_precision=DX_PRECISION)
-            dx_i += tl.dot(b_g_res, phi_res_t, input_precision=DX_PRECISION)
-            dx_i += rest
-            # rounded as the unchained path stores it before the post-mix backward reads it
-            dx_next = dx_next + (dx_i.to(x_next_ptr.dtype.element_ty).to(tl.float32),)
-            b_xt = tl.trans(b_x)
-            dphi_pp_new = dphi_pp_new + (dphi_pp[i] + _dot_fp32(b_xt, b_g_pp, SPLIT_BF16),)
-            dphi_res_new = dphi_res_new + (dphi_res[i] + _dot_fp32(b_xt, b_g_res, SPLIT_BF16),)
-        dphi_pp = dphi_pp_new
-        dphi_res = dphi_res_new
+                rest += tl.load(dx_acc_blk + i * D + o_s, mask=m, other=0.0).to(tl.float32)
+            dx_i = tl.dot(b_g, phi_t, input_precision=DX_PRECISION) + rest
+            # kept rounded to the stream dtype, as the unchained path stores it before the
+            # post-mix backward reads it
+            dx_next = dx_next + (dx_i.to(x_next_ptr.dtype.element_ty),)
+            dphi_new = dphi_new + (dphi[i] + _dot_fp32(tl.trans(b_x), b_g, SPLIT_BF16),)
+        dphi = dphi_new
 
         # site l's post-mix backward on the same tile (stream_mix_bwd_kernel's order)
-        y = tl.load(y_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + t0 * D + o_b, mask=m, other=0.0).to(tl.float32)
+        red = dh_post_ptr + (i_c * T + t0) * N + o_tl * N
         dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(N):
-            b_i = tl.load(h_post_l_ptr + o_t * N + i, mask=t_ok, other=0.0)
-            dy += b_i[:, None] * dx_next[i]
-            p_red = (i_c * T + o_t) * N + i
-            tl.store(dh_post_ptr + p_red, tl.sum(dx_next[i] * y, axis=1), mask=t_ok)
-        tl.store(dy_ptr + o_t[:, None] * D + o_c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
+            b_i = tl.load(h_post_l_ptr + t0 * N + o_tl * N + i, mask=t_ok, other=0.0)
+            dx_i = dx_next[i].to(tl.float32)
+            dy += b_i[:, None] * dx_i
+            tl.store(red + i, tl.sum(dx_i * y, axis=1), mask=t_ok)
+        tl.store(dy_ptr + t0 * D + o_b, dy.to(dy_ptr.dtype.element_ty), mask=m)
+        x_blk = x_ptr + t0 * (N * D)
+        dx_blk = dx_ptr + t0 * (N * D)
+        red = dh_res_ptr + (i_c * T + t0) * (N * N) + o_tl * (N * N)
+        w_blk = h_res_l_ptr + t0 * (N * N) + o_tl * (N * N)
         for j in tl.static_range(N):
-            p_x = o_t[:, None] * (N * D) + j * D + o_c[None, :]
-            x_j = tl.load(x_ptr + p_x, mask=m, other=0.0).to(tl.float32)
+            x_j = tl.load(x_blk + j * D + o_s, mask=m, other=0.0).to(tl.float32)
             dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for i in tl.static_range(N):
-                w_ij = tl.load(h_res_l_ptr + o_t * (N * N) + i * N + j, mask=t_ok, other=0.0)
-                dx += w_ij[:, None] * dx_next[i]
-                p_red = (i_c * T + o_t) * (N * N) + i * N + j
-                tl.store(dh_res_ptr + p_red, tl.sum(dx_next[i] * x_j, axis=1), mask=t_ok)
-            tl.store(dx_ptr + p_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
+                dx_i = dx_next[i].to(tl.float32)
+                w_ij = tl.load(w_blk + i * N + j, mask=t_ok, other=0.0)
+                dx += w_ij[:, None] * dx_i
+                tl.store(red + i * N + j, tl.sum(dx_i * x_j, axis=1), mask=t_ok)
+            tl.store(dx_blk + j * D + o_s, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        t0 += SPLITS * BLOCK_T
 
     for i in tl.static_range(N):
-        p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + (i * D + o_c)[:, None] * M
-        tl.store(p_out + o_pp[None, :], dphi_pp[i], mask=c_ok[:, None] & m_pp)
-        tl.store(p_out + 2 * N + o_res[None, :], dphi_res[i], mask=c_ok[:, None] & m_res)
+        p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + (i * D + o_c)[:, None] * M + o_m[None, :]
+        tl.store(p_out, dphi[i], mask=c_ok[:, None] & m_m)
 
 
 # ------------------------------------------------------------------------------ launchers
 
 
 def seam_fwd_config(n: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages)``: a chunk of ``n * BLOCK_D`` projection rows,
-    as ``coefficients_fwd_config``'s ``BLOCK_K``."""
-    if n <= 2:
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages)``; registers from offline compiles for sm_90
+    (Triton 3.6): n = 1 168, n = 2 195, n = 3 220, n = 4 255 with 8 bytes of stack."""
+    if n <= 1:
         return 64, 64, 4, 2
-    if n <= 4:
+    if n <= 2:
         return 64, 32, 4, 2
-    return 32, 16, 4, 2
+    return 64, 16, 4, 2
 
 
 def seam_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int, int | None]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)``."""
-    if n <= 4:
-        return 32, 64, 4, 2, 4, None
-    return 16, 32, 4, 1, 4, None
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)``: all ``n`` streams of a
+    ``BLOCK_T x BLOCK_D`` tile are live; 8 warps keep n = 4 at 255 registers with 48 bytes of stack."""
+    if n <= 2:
+        return 32, 128, 8, 2, 4, None
+    return 32, 64, 8, 2, 4, None
 
 
 def seam_fwd(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float,
@@ -277,9 +278,9 @@ def seam_bwd(
         x, y, h_post_l.contiguous(), h_res_l.contiguous(),
         dx, dy, partial_phi, partial_res, partial_post,
         T, d, splits,
-        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x_next), DX_PRECISION=dx_precision(x_next, n),
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages, **_columns(n),
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        N=n, MP=max(16, next_pow2(M)), ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x_next),
+        DX_PRECISION=dx_precision(x_next, n), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+        num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return (dx, dy, partial_post.sum(0), partial_res.sum(0).view(T, n, n), partial_phi.sum(0),
             partial_bias.sum(0))
