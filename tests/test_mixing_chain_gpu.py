@@ -23,18 +23,38 @@ def _scaled(sites, dim):
     return sites
 
 
+def _is_sum_over_tokens(k):
+    """The gates' and the biases' gradients: a few numbers, each one sum over every
+    token, whose error is a single draw of many roundings (docs/mixing.md, "Accuracy")."""
+    return any(k.endswith(name) for name in ("a_pre", "a_post", "a_res", "b_pre", "b_post", "b_res"))
+
+
 @pytest.mark.parametrize("dim, n, hc_eps", [(1000, 4, 0.0), (1536, 8, 0.0), (4096, 4, 1e-6), (96, 2, 0.0)])
 def test_chain_fp32_three_way(dim, n, hc_eps):
-    """fp32, three sites chained on the seam kernels: error against fp64 at most twice the
-    reference path's fp32 error, for the output and every gradient."""
-    sites = _scaled(make_chain(["mhc", "mhc", "mhc"], dim, n, "triton", seed=1, hc_eps=hc_eps), dim)
-    x = torch.randn(2, 333, n, dim, device="cuda")
-    w = torch.randn_like(x)
-    got = run_chain(sites, x, w, chained=True)
-    low = run_chain(same_chain(sites, "torch"), x, w, chained=False)
-    exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), w.double(), chained=False)
-    errors = {k: (_relative(got[k], exact[k]), _relative(low[k], exact[k])) for k in exact}
-    assert all(err <= 2 * err_ref + 1e-6 for err, err_ref in errors.values()), errors
+    """fp32, three sites chained on the seam kernels (n = 8: composed): error against fp64 at most
+    twice the reference path's fp32 error for the output and every tensor's gradient. The sums
+    over tokens carry the tensor cores' tf32x3 rounding amplified by their cancellation, which
+    moves their error by several times from one draw to the next in both fused paths: over four
+    draws together, chained within twice the worse of the unchained fused and the reference path."""
+    draws = []
+    for seed in range(4):
+        sites = _scaled(make_chain(["mhc", "mhc", "mhc"], dim, n, "triton", seed=seed, hc_eps=hc_eps), dim)
+        x = torch.randn(2, 333, n, dim, device="cuda")
+        w = torch.randn_like(x)
+        exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), w.double(), chained=False)
+        draws.append((exact, run_chain(sites, x, w, chained=True), run_chain(same_chain(sites, "torch"), x, w, chained=False),
+                      run_chain(sites, x, w, chained=False)))
+    failed = {}
+    for k in draws[0][0]:
+        if _is_sum_over_tokens(k):
+            exact, got, low, unchained = (torch.cat([draw[i][k].flatten() for draw in draws]) for i in range(4))
+            err, bound = _relative(got, exact), 2 * max(_relative(low, exact), _relative(unchained, exact)) + 1e-6
+        else:
+            exact, got, low, _ = (result[k] for result in draws[0])
+            err, bound = _relative(got, exact), 2 * _relative(low, exact) + 1e-6
+        if err > bound:
+            failed[k] = (err, bound)
+    assert not failed, failed
 
 
 def test_chain_bf16_full_size():
@@ -50,13 +70,14 @@ def test_chain_bf16_full_size():
     low = run_chain(low_ref, x.bfloat16(), w.bfloat16(), chained=False)
     got = run_chain(sites, x.bfloat16(), w.bfloat16(), chained=True)
     unchained = run_chain(sites, x.bfloat16(), w.bfloat16(), chained=False)
+    failed = {}
     for k in exact:
         if ".branch." in k:
             continue
         err, err_ref, err_un = _relative(got[k], exact[k]), _relative(low[k], exact[k]), _relative(unchained[k], exact[k])
-        assert err <= 1.25 * err_un + 1e-3, (k, err, err_un)
-        if k in ("out", "x") or k.endswith("phi"):
-            assert err <= 2 * err_ref + 1e-6, (k, err, err_ref)
+        if err > 1.25 * err_un + 1e-3 or (not _is_sum_over_tokens(k) and err > 2 * err_ref + 1e-6):
+            failed[k] = (err, err_ref, err_un)
+    assert not failed, failed
 
 
 def test_chain_gradients_bit_identical_at_scale():
