@@ -142,13 +142,8 @@ def kernel_table(dim, n, tokens, copy_gbps):
             lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
             4 * X + 2 * Y),
     }
-    x_next, x_in2, p2, r2, h_pre2, h_post2, z_res2, h_res2 = kernels.seam_fwd(
-        x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
     calls["seam fwd: post-mix + next coefficients + pre-mix (read x, y, x' again; write x', x_in)"] = (
         lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6), 3 * X + 2 * Y)
-    calls["seam bwd: coefficient grad + projection bwd + post-mix bwd (read x' twice, dx_acc, x, y, dx_in twice; write dx, dy)"] = (
-        lambda: kernels.seam_bwd(x_next, phi, *gates, p2, r2, h_pre2, h_post2, None, h_post2, dh_res, g_in, g_out,
-                                 x, y, h_post, h_res), 5 * X + 4 * Y)
     rows = []
     for name, (call, nbytes) in calls.items():
         ms = do_bench(call, warmup=25, rep=100, return_mode="median")

@@ -121,28 +121,6 @@ def _(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, 
     return (torch.empty_like(x), *_coefficient_outputs_fake(x))
 
 
-@torch.library.custom_op("mhc::mhc_seam_bwd", mutates_args=())
-def _seam_bwd_op(
-    x_next: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
-    p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor, dh_pre: torch.Tensor | None,
-    dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor, grad_x_acc: torch.Tensor | None,
-    x: torch.Tensor, y: torch.Tensor, h_post_l: torch.Tensor, h_res_l: torch.Tensor, hc_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().seam_bwd(
-        x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
-        x, y, h_post_l, h_res_l, hc_eps,
-    )
-
-
-@_seam_bwd_op.register_fake
-def _(x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
-      x, y, h_post_l, h_res_l, hc_eps):
-    T, n, _ = x.shape
-    f32 = dict(dtype=torch.float32)
-    return (torch.empty_like(x), torch.empty_like(y), x.new_empty((T, n), **f32), x.new_empty((T, n, n), **f32),
-            torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32))
-
-
 def _stream_mix_bwd_compiled(*args):
     return tuple(_none_if_empty(t) for t in torch.ops.mhc.stream_mix_bwd(*args))
 
@@ -154,7 +132,6 @@ _COMPILED = SimpleNamespace(
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
     coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
     seam_fwd=lambda *a: torch.ops.mhc.mhc_seam_fwd(*a),
-    seam_bwd=lambda *a: torch.ops.mhc.mhc_seam_bwd(*a),
 )
 
 
@@ -277,7 +254,8 @@ class MHCPreMixFunction(torch.autograd.Function):
 
 class MHCSeamFunction(torch.autograd.Function):
     """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s dynamic mHC
-    coefficients and pre-mix in one op (``mhc.kernels.mhc_seam``).
+    coefficients and pre-mix in one op, forward in one kernel (``mhc.kernels.mhc_seam``), backward
+    on the two unchained kernels.
 
     ``(x [T, n, d], y [T, d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix inputs)
     and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site ``l+1``'s
@@ -299,10 +277,12 @@ class MHCSeamFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
-        dx, dy, dh_post_l, dh_res_l, dphi, dbias_gate = _launchers().seam_bwd(
+        run = _launchers()
+        dx_next, dphi, dbias_gate = run.coefficients_bwd(
             x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
-            grad_x_pass, x, y, h_post_l, h_res_l, ctx.settings[3],
+            grad_x_pass, ctx.settings[3],
         )
+        dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
         return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_gate, x.shape[1]),
                 None, None, None, None)
 

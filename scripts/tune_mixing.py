@@ -9,7 +9,7 @@
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
-- ``seam``: the seam kernels (``mhc_seam``) over tile configurations at d = 1024 and 4096, n = 4
+- ``seam``: the seam forward kernel (``mhc_seam``) over tile configurations at d = 1024 and 4096, n = 4
   (``n=2``: 2), 16k tokens, with registers and spills, against the unchained kernels they replace;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
@@ -249,22 +249,20 @@ def _capture(module, name):
 
 
 def sweep_seam():
-    """Seam forward and backward over tile configurations, against the unchained kernels."""
+    """Seam forward over tile configurations, against the unchained kernels it replaces."""
     from mhc.kernels import mhc_seam
 
     n, T = STREAMS, 16384
-    # registers of each from offline compiles for sm_90 (docs/benchmarks/mixing_seam_h100.log)
-    fwd_configs = [mhc_seam.seam_fwd_config(n), (64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 3), (32, 16, 4, 2)]
-    bwd_configs = [mhc_seam.seam_bwd_config(n, 1024), (16, 64, 4, 2, 4, None), (64, 64, 8, 1, 4, None),
-                   (32, 32, 4, 2, 4, None), (32, 128, 8, 2, 4, None), (32, 64, 8, 2, 8, None)]
-    fwd_original, bwd_original = mhc_seam.seam_fwd_config, mhc_seam.seam_bwd_config
+    fwd_configs = [mhc_seam.seam_fwd_config(n), (64, 16, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 2),
+                   (128, 16, 8, 2)]
+    fwd_original = mhc_seam.seam_fwd_config
     for dim in (1024, 4096):
         x, phi, gates, biases = _inputs(dim, n, T)
         y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
         h_post = torch.rand(T, n, device="cuda") * 2
         h_res = torch.softmax(torch.randn(T, n, n, device="cuda"), -1)
         X, Y = x.numel() * 2, y.numel() * 2
-        print(f"  d={dim}: launchers' choice fwd {fwd_original(n)} bwd {bwd_original(n, dim)}", flush=True)
+        print(f"  d={dim}: launcher's choice {fwd_original(n)}", flush=True)
         _time(f"unchained fwd: post-mix + coefficients d={dim}", lambda: kernels.coefficients_fwd(
             kernels.stream_mix_fwd(x, h_res, y, h_post), phi, *gates, *biases, 20, 1e-6), 4 * X + 2 * Y)
         for cfg in fwd_configs:
@@ -281,29 +279,6 @@ def sweep_seam():
             k = captured["k"]
             _time(f"seam fwd d={dim} {cfg} regs {k.n_regs} spills {k.n_spills}", call, 3 * X + 2 * Y)
         mhc_seam.seam_fwd_config = fwd_original
-        x_next, x_in, p, r, h_pre, h_post2, z_res, h_res2 = kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
-        g_in, g_acc, dh = torch.randn_like(y), torch.randn_like(x), torch.randn_like(h_res)
-
-        def unchained():
-            dx_next = kernels.coefficients_bwd(x_next, phi, *gates, p, r, h_pre, h_post2, None, h_post2, dh, g_in, g_acc)[0]
-            return kernels.stream_mix_bwd(x, h_res, y, h_post, dx_next)
-
-        _time(f"unchained bwd: coefficients bwd + post-mix bwd d={dim}", unchained, 7 * X + 4 * Y)
-        for cfg in bwd_configs:
-            mhc_seam.seam_bwd_config = lambda n, d, cfg=cfg: cfg
-            jit, captured = _capture(mhc_seam, "seam_bwd_kernel")
-            call = lambda: kernels.seam_bwd(x_next, phi, *gates, p, r, h_pre, h_post2, None, h_post2, dh, g_in, g_acc,
-                                            x, y, h_post, h_res)
-            try:
-                call()
-            except Exception as e:
-                print(f"  seam bwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
-                continue
-            finally:
-                mhc_seam.seam_bwd_kernel = jit
-            k = captured["k"]
-            _time(f"seam bwd d={dim} {cfg} regs {k.n_regs} spills {k.n_spills}", call, 5 * X + 4 * Y)
-        mhc_seam.seam_bwd_config = bwd_original
 
 
 def model_profile():

@@ -113,16 +113,17 @@ def test_wide_chains(n):
     assert_all_close(run_chain(sites, x, grad, chained=True), want, rtol=5e-5, atol=5e-5)
 
 
-def test_seam_kernels_run_between_dynamic_mhc_sites(monkeypatch):
-    """The chained path goes through the seam kernels (the composition would not call them)."""
+def test_seam_kernel_runs_between_dynamic_mhc_sites(monkeypatch):
+    """The chained path starts the later sites with the seam kernel (the composition would run the
+    post-mix and the coefficient kernel instead)."""
     calls = []
-    for name in ("seam_fwd", "seam_bwd"):
+    for name in ("seam_fwd", "coefficients_fwd", "stream_mix_fwd"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     sites = make_chain(["mhc", "mhc", "mhc"], 8, 4, "triton", seed=2)
     x = torch.randn(7, 4, 8, device=DEVICE)
     run_chain(sites, x, torch.randn_like(x), chained=True)
-    assert calls.count("seam_fwd") == 2 and calls.count("seam_bwd") == 2
+    assert calls == ["coefficients_fwd", "seam_fwd", "seam_fwd", "stream_mix_fwd"]
 
 
 def test_low_precision_three_way():
