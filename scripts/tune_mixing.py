@@ -30,7 +30,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torch  # noqa: E402
 
 from mhc import kernels  # noqa: E402
-from mhc.kernels import mhc_coefficients  # noqa: E402
+from mhc.kernels import _launch, mhc_coefficients, mhc_seam, stream_mix  # noqa: E402
+
+
+def _uncached():
+    """Sweeps replace the launchers' config functions: forget the configurations the launchers
+    cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
+    _launch.FAST = False
+    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._grad_meta,
+                 mhc_coefficients._projection_meta, mhc_seam._fwd_meta):
+        meta.cache_clear()
 
 
 def compile_times():
@@ -156,6 +165,9 @@ def sweep_projection():
     registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
     configs = [(64, 64, 4, 3, 8, None), (64, 64, 4, 3, 8, 168), (64, 64, 4, 3, 4, 168), (64, 64, 4, 2, 8, 168),
                (64, 64, 4, 3, 16, 168), (32, 128, 4, 3, 8, None), (64, 128, 8, 3, 8, None), (64, 64, 4, 2, 4, None)]
+    if STREAMS > 4:  # no spills in offline sm_90 compiles (Triton 3.6) but the first, the launcher's before
+        configs = [(64, 64, 4, 2, 4, None), (32, 64, 8, 2, 4, None), (32, 32, 4, 2, 4, None), (16, 64, 4, 2, 4, None),
+                   (32, 64, 8, 2, 6, None), (32, 64, 8, 3, 4, None)]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
     jit = mhc_coefficients.projection_bwd_kernel
     captured = {}
@@ -177,6 +189,7 @@ def sweep_projection():
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
             mhc_coefficients.projection_bwd_config = lambda n, d, cfg=cfg: cfg
+            _uncached()
             mhc_coefficients.projection_bwd_kernel = Capture()
             call()
             mhc_coefficients.projection_bwd_kernel = jit
@@ -184,12 +197,14 @@ def sweep_projection():
             resources = f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
             _time(f"coefficients bwd d={dim} {cfg} {resources}", call, nbytes)
         mhc_coefficients.projection_bwd_config = original
+        _uncached()
         dx32, dphi32 = kernels.coefficients_bwd(
             x.float(), phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in.float(), g_acc.float()
         )[:2]
         rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
         for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 at n > 4: see dx_precision
             mhc_coefficients.dx_precision = lambda x, n, mode=mode: mode
+            _uncached()
             dx, dphi = call()[:2]
             ms = _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
             print(f"    dx {rel(dx, dx32):.3e}, dphi {rel(dphi, dphi32):.3e} from the fp32 path", flush=True)
@@ -199,11 +214,14 @@ def sweep_projection():
 def sweep_coefficients():
     configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
                (64, 128, 8, 4), (32, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 8, 3), (32, 32, 4, 3)]
+    if STREAMS > 4:  # registers from offline sm_90 compiles: 244, 166, 156, 175, 147 (no spills)
+        configs = [(64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3)]
     original = mhc_coefficients.coefficients_fwd_config
     for dim in (4096, 1024):
         x, phi, gates, biases = _inputs(dim, STREAMS, 16384)
         for cfg in configs:
             mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
+            _uncached()
             call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
             _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_fwd_config = original
@@ -212,8 +230,6 @@ def sweep_coefficients():
 def sweep_mix_bwd():
     """Post + residual backward (N_OUT = n) at d = 4096, n = 6 and 8: unrolled stream tiles against
     the wide 3-D path (streams padded to 16 for its batched dot), over tile shapes."""
-    from mhc.kernels import stream_mix
-
     unroll, config = stream_mix._unroll, stream_mix._bwd_config
     T = 16384
     for dim in (4096,):
@@ -229,6 +245,7 @@ def sweep_mix_bwd():
             for name, unrolled, cfg in variants:
                 stream_mix._unroll = lambda n, n_out, u=unrolled: dict(UNROLL=u, NP=max(16, stream_mix.next_pow2(n)))
                 stream_mix._bwd_config = lambda n, n_out, d, cfg=cfg: cfg
+                _uncached()
                 _time(f"mix bwd d={dim} n={n} {name} {cfg}", lambda: kernels.stream_mix_bwd(x, w, y, b, g), nbytes)
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
@@ -250,8 +267,6 @@ def _capture(module, name):
 
 def sweep_seam():
     """Seam forward over tile configurations, against the unchained kernels it replaces."""
-    from mhc.kernels import mhc_seam
-
     n, T = STREAMS, 16384
     fwd_configs = [mhc_seam.seam_fwd_config(n), (64, 16, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 2),
                    (128, 16, 8, 2)]
@@ -267,6 +282,7 @@ def sweep_seam():
             kernels.stream_mix_fwd(x, h_res, y, h_post), phi, *gates, *biases, 20, 1e-6), 4 * X + 2 * Y)
         for cfg in fwd_configs:
             mhc_seam.seam_fwd_config = lambda n, cfg=cfg: cfg
+            _uncached()
             jit, captured = _capture(mhc_seam, "seam_fwd_kernel")
             call = lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
             try:

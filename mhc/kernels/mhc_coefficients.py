@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -367,6 +368,30 @@ def projection_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int, int 
     return 16, 32, 4, 2, 4, None
 
 
+@functools.cache
+def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
+    block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
+    meta = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, SPLIT_BF16=split_bf16,
+                BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return block_t, meta, ("coefficients_fwd", n, iters, has_eps, split_bf16)
+
+
+@functools.cache
+def _grad_meta(n: int, d: int, has_dh_pre: bool):
+    block_t, block_d = 8, min(128, next_pow2(d))
+    meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return block_t, meta, ("coefficient_grad", n, d, has_dh_pre)
+
+
+@functools.cache
+def _projection_meta(n: int, d: int, accumulate: bool, split_bf16: bool, precision: str):
+    block_t, block_d, num_warps, num_stages, waves, maxnreg = projection_bwd_config(n, d)
+    meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+                **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    return block_t, block_d, waves, meta, ("projection_bwd", n, d, accumulate, split_bf16, precision)
+
+
 def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
     """Coefficients and pre-mix of streams ``x [T, N, D]``.
 
@@ -384,15 +409,10 @@ def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: 
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T == 0:
         return x_in, p, r, h_pre, h_post, z_res, h_res
-    cols = _columns(n)
-    block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
-    coefficients_fwd_kernel[(triton.cdiv(T, block_t),)](
-        x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
-        x_in, p, r, h_pre, h_post, z_res, h_res,
-        T, d, eps, hc_eps,
-        NP=next_pow2(n), ITERS=iters, HAS_EPS=hc_eps > 0, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **cols,
-    )
+    block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
+    args = (x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
+            x_in, p, r, h_pre, h_post, z_res, h_res, T, d, eps, hc_eps)
+    launch(coefficients_fwd_kernel, (triton.cdiv(T, block_t),), args, meta, key)
     return x_in, p, r, h_pre, h_post, z_res, h_res
 
 
@@ -410,15 +430,13 @@ def coefficient_grad(x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_po
     M = 2 * n + n * n
     f32 = dict(dtype=torch.float32, device=x.device)
     g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
-    block_t, block_d = 8, min(128, next_pow2(d))
+    has_dh_pre = dh_pre is not None
+    block_t, meta, key = _grad_meta(n, d, has_dh_pre)
     grid_t = triton.cdiv(T, block_t)
     partial_bias = torch.empty((grid_t, M + 3), **f32)
-    has_dh_pre = dh_pre is not None
-    coefficient_grad_kernel[(grid_t,)](
-        x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-        dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias,
-        T, d, hc_eps, HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_columns(n),
-    )
+    args = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
+            dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias, T, d, hc_eps)
+    launch(coefficient_grad_kernel, (grid_t,), args, meta, key)
     return g, c, partial_bias
 
 
@@ -445,18 +463,14 @@ def coefficients_bwd(
         x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
     )
     dx = torch.empty_like(x)
-    block_t, block_d, num_warps, num_stages, waves, maxnreg = projection_bwd_config(n, d)
+    accumulate = grad_x_acc is not None
+    block_t, block_d, waves, meta, key = _projection_meta(n, d, accumulate, _split_bf16(x), dx_precision(x, n))
     chunks = n * triton.cdiv(d, block_d)
     splits = token_splits(T, block_t, waves, chunks, x.device)
     partial_phi = torch.empty((splits, K, M), **f32)
-    accumulate = grad_x_acc is not None
-    projection_bwd_kernel[(chunks, splits)](
-        x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
-        T, d, splits,
-        ACCUMULATE=accumulate, SPLIT_BF16=_split_bf16(x), DX_PRECISION=dx_precision(x, n),
-        BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages, **_columns(n), **({} if maxnreg is None else dict(maxnreg=maxnreg)),
-    )
+    args = (x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
+            T, d, splits)
+    launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
     return dx, partial_phi.sum(0), partial_bias.sum(0)
 
 

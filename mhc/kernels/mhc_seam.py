@@ -17,10 +17,13 @@ a fused backward that keeps ``dx'`` on chip needs every stream's tile live at on
 half their speed on the H100 (``docs/mixing.md``, "The seam").
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import next_pow2
 from mhc.kernels.mhc_coefficients import (
     _columns, _dot_fp32, _split_bf16, coefficients_epilogue, per_token_outputs, pre_mix_pass, sinkhorn_epilogue,
@@ -142,6 +145,14 @@ def seam_fwd_config(n: int) -> tuple[int, int, int, int]:
     return 64, 16, 4, 2
 
 
+@functools.cache
+def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
+    block_t, block_d, num_warps, num_stages = seam_fwd_config(n)
+    meta = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, SPLIT_BF16=split_bf16,
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+    return block_t, meta, ("seam_fwd", n, iters, has_eps, split_bf16)
+
+
 def seam_fwd(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float,
              hc_eps: float = 0.0):
     """Site ``l``'s post-mix and site ``l+1``'s coefficients and pre-mix in one pass.
@@ -160,13 +171,9 @@ def seam_fwd(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, 
     x_in = torch.empty((T, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T:
-        block_t, block_d, num_warps, num_stages = seam_fwd_config(n)
-        seam_fwd_kernel[(triton.cdiv(T, block_t),)](
-            x, y, h_post_l.contiguous(), h_res_l.contiguous(),
-            phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
-            x_next, x_in, p, r, h_pre, h_post, z_res, h_res,
-            T, d, eps, hc_eps,
-            NP=next_pow2(n), ITERS=iters, HAS_EPS=hc_eps > 0, SPLIT_BF16=_split_bf16(x), BLOCK_T=block_t,
-            BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages, **_columns(n),
-        )
+        block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
+        args = (x, y, h_post_l.contiguous(), h_res_l.contiguous(), phi.contiguous(), a_pre, a_post, a_res,
+                b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(), x_next, x_in, p, r, h_pre, h_post,
+                z_res, h_res, T, d, eps, hc_eps)
+        launch(seam_fwd_kernel, (triton.cdiv(T, block_t),), args, meta, key)
     return x_next, x_in, p, r, h_pre, h_post, z_res, h_res

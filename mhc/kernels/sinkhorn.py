@@ -11,10 +11,13 @@ them); longer runs are split into segments, each recomputed from the start. Noth
 is saved between forward and backward. ``docs/sinkhorn.md`` derives the recursion.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
     next_pow2, reciprocal,
@@ -231,13 +234,23 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     out = torch.empty_like(logits)
     if T == 0:
         return out
-    np2, block_t, num_warps = launch_config(n, min(FWD_VALUES_PER_THREAD, n * next_pow2(n)))
-    sinkhorn_fwd_kernel[(triton.cdiv(T, block_t),)](
-        logits, out, T,
-        ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=logits.dtype == torch.float64,
-        num_warps=num_warps,
-    )
+    block_t, meta, key = _fwd_meta(n, iters, logits.dtype == torch.float64)
+    launch(sinkhorn_fwd_kernel, (triton.cdiv(T, block_t),), (logits, out, T), meta, key)
     return out
+
+
+@functools.cache
+def _fwd_meta(n: int, iters: int, fp64: bool):
+    np2, block_t, num_warps = launch_config(n, min(FWD_VALUES_PER_THREAD, n * next_pow2(n)))
+    meta = dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
+    return block_t, meta, ("sinkhorn_fwd", n, iters, fp64)
+
+
+@functools.cache
+def _bwd_meta(n: int, iters: int, fp64: bool):
+    np2, block_t, num_warps = launch_config(n, BWD_VALUES_PER_THREAD)
+    meta = dict(**backward_schedule(iters, n), N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
+    return block_t, meta, ("sinkhorn_bwd", n, iters, fp64)
 
 
 def backward_schedule(iters: int, n: int) -> dict:
@@ -259,10 +272,6 @@ def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> to
     grad_in = torch.empty_like(logits)
     if T == 0:
         return grad_in
-    np2, block_t, num_warps = launch_config(n, BWD_VALUES_PER_THREAD)
-    sinkhorn_bwd_kernel[(triton.cdiv(T, block_t),)](
-        logits, grad_out, grad_in, T,
-        **backward_schedule(iters, n), N=n, NP=np2, BLOCK_T=block_t,
-        FP64=logits.dtype == torch.float64, num_warps=num_warps,
-    )
+    block_t, meta, key = _bwd_meta(n, iters, logits.dtype == torch.float64)
+    launch(sinkhorn_bwd_kernel, (triton.cdiv(T, block_t),), (logits, grad_out, grad_in, T), meta, key)
     return grad_in

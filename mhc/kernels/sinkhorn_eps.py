@@ -14,10 +14,13 @@ Layout as in ``sinkhorn.py``: a program owns ``BLOCK_T`` matrices held as ``N`` 
 ``[BLOCK_T, NP]``; ``u`` is ``N`` values ``[BLOCK_T, 1]``, ``v`` one ``[BLOCK_T, NP]``.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, launch_config, reciprocal
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
@@ -174,12 +177,15 @@ def sinkhorn_eps_bwd_kernel(
     _store_rows(dx_ptr, offs, m, sinkhorn_eps_rows_bwd(x, g, eps, ITERS, N, NP, BLOCK_T), N)
 
 
-def _launch(kernel, tensors, T: int, n: int, iters: int, eps: float) -> None:
+@functools.cache
+def _meta(n: int, iters: int, fp64: bool):
     np2, block_t, num_warps = launch_config(n, VALUES_PER_THREAD)
-    kernel[(triton.cdiv(T, block_t),)](
-        *tensors, T, eps, ITERS=iters, N=n, NP=np2, BLOCK_T=block_t,
-        FP64=tensors[0].dtype == torch.float64, num_warps=num_warps,
-    )
+    return block_t, dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps), (n, iters, fp64)
+
+
+def _launch(kernel, tensors, T: int, n: int, iters: int, eps: float) -> None:
+    block_t, meta, key = _meta(n, iters, tensors[0].dtype == torch.float64)
+    launch(kernel, (triton.cdiv(T, block_t),), (*tensors, T, eps), meta, key)
 
 
 def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

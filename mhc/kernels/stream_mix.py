@@ -21,10 +21,13 @@ The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (
 ``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -248,6 +251,22 @@ def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int]:
     return max(1, values // block_d), block_d
 
 
+@functools.cache
+def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
+    """``(BLOCK_T, meta, meta key)`` of the forward launch: one per configuration."""
+    block_t, block_d = _fwd_config(n, d)
+    meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return block_t, block_d, meta, ("fwd", n, n_out, d, has_y)
+
+
+@functools.cache
+def _bwd_meta(n: int, n_out: int, d: int, has_y: bool, need_grad_x: bool, accumulate: bool):
+    block_t, block_d = _bwd_config(n, n_out, d)
+    meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return block_t, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
+
+
 def _per_token(c: torch.Tensor | None, per_token: int):
     """``(c, token stride)``: fp32 coefficients whose token stride is 0 (shared) or dense."""
     if c is None:
@@ -282,12 +301,9 @@ def stream_mix_fwd(
         y = y.contiguous()
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
-    block_t, block_d = _fwd_config(n, d)
-    stream_mix_fwd_kernel[(triton.cdiv(T, block_t), triton.cdiv(d, block_d))](
-        x, y if has_y else x, w, b if has_y else w, out,
-        T, d, stride_w, stride_b,
-        N=n, N_OUT=n_out, HAS_Y=has_y, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_unroll(n, n_out),
-    )
+    block_t, block_d, meta, key = _fwd_meta(n, n_out, d, has_y)
+    launch(stream_mix_fwd_kernel, (triton.cdiv(T, block_t), triton.cdiv(d, block_d)),
+           (x, y if has_y else x, w, b if has_y else w, out, T, d, stride_w, stride_b), meta, key)
     return out
 
 
@@ -320,12 +336,8 @@ def stream_mix_bwd(
         return dx, dy, dw, db
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
-    block_t, block_d = _bwd_config(n, n_out, d)
-    stream_mix_bwd_kernel[(triton.cdiv(T, block_t),)](
-        x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x,
-        dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw,
-        T, d, stride_w, stride_b,
-        N=n, N_OUT=n_out, HAS_Y=has_y, WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **_unroll(n, n_out),
-    )
+    block_t, meta, key = _bwd_meta(n, n_out, d, has_y, need_grad_x, accumulate)
+    args = (x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x,
+            dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw, T, d, stride_w, stride_b)
+    launch(stream_mix_bwd_kernel, (triton.cdiv(T, block_t),), args, meta, key)
     return dx, dy, dw, db

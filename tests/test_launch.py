@@ -1,0 +1,47 @@
+"""The launchers' fast path (``mhc.kernels._launch``): a cached kernel is one that ``kernel[grid]``
+would pick, and results are the same bits either way."""
+
+import pytest
+import torch
+
+from mhc.kernels import _launch
+from mhc.mixing import HyperConnection
+from tests.test_mixing_chain import make_chain, run_chain
+
+
+def test_key_separates_what_triton_specializes_on():
+    key = _launch._arg_key
+    base = torch.empty(64)
+    assert key(base) != key(base[1:])  # 16-byte aligned or not
+    assert key(base) != key(base.double())
+    assert key(1) != key(2) and key(16) != key(17) and key(2) == key(3)
+    assert key(2**31) != key(2**31 - 2)  # 32-bit range
+    assert key(0.5) == key(2.0) and key(True) != key(False)
+
+
+@pytest.mark.gpu
+def test_fast_launch_gives_the_same_bits(monkeypatch):
+    """Forward and backward of a chain of sites and of a single site, fast path against
+    ``kernel[grid]``, with aligned and misaligned inputs (a view one element in)."""
+    sites = make_chain(["mhc", "mhc", "static-mhc"], 96, 4, "triton", seed=0)
+    for offset in (0, 1):
+        flat = torch.randn(offset + 37 * 4 * 96, device="cuda")
+        x = flat[offset:].view(37, 4, 96)
+        w = torch.randn_like(x)
+        results = []
+        for fast in (False, True, True):  # the second fast run launches from the cache
+            monkeypatch.setattr(_launch, "FAST", fast)
+            results.append(run_chain(sites, x, w, chained=True))
+        for got in results[1:]:
+            for k in results[0]:
+                assert torch.equal(got[k], results[0][k]), (offset, k)
+
+
+@pytest.mark.gpu
+def test_fast_launch_follows_new_shapes():
+    hc = HyperConnection(64, 4, torch.nn.Linear(64, 64), init="zero").cuda()
+    ref = HyperConnection(64, 4, hc.branch, init="zero", backend="torch").cuda()
+    ref.load_state_dict(hc.state_dict())
+    for tokens in (1, 16, 33, 1000):
+        x = torch.randn(tokens, 4, 64, device="cuda")
+        torch.testing.assert_close(hc(x), ref(x), rtol=1e-5, atol=1e-5)
