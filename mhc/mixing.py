@@ -28,12 +28,14 @@ from torch import nn
 
 from mhc.coefficients import coefficient_dtype, rms_inverse, source_for
 from mhc.layer import check_settings, sinkhorn
-from mhc.mixing_ops import post_mix
+from mhc.mixing_ops import post_mix, pre_mix
 from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend, streams_of
 
 __all__ = [
     "HyperConnection",
     "LaneMixer",
+    "StreamCollapse",
+    "stream_collapse",
     "StreamExpand",
     "expand_streams",
     "reduce_streams",
@@ -101,6 +103,67 @@ class StreamExpand(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return expand_streams(h, self.n_streams, self.embedding)
+
+
+def collapse_weights(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float,
+                     eps: float = 0.0) -> torch.Tensor:
+    """``h = sigmoid(a * (v @ phi) / RMS(v) + b) + eps``, ``[..., n]`` in fp32 (fp64 for fp64 inputs),
+    for streams ``x [..., n, dim]`` flattened to ``v [..., n*dim]``; ``phi [n*dim, n]``."""
+    dtype = coefficient_dtype(x, phi)
+    v = rearrange(x.to(dtype), "... s d -> ... (s d)")
+    return torch.sigmoid(a.to(dtype) * ((v @ phi.to(dtype)) * rms_inverse(v, rms_eps)) + b.to(dtype)) + eps
+
+
+def stream_collapse(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float = DEFAULT_RMS_EPS,
+                    eps: float = 0.0, backend: str = "auto") -> torch.Tensor:
+    """Learned per-token collapse of the streams, DeepSeek-V4's head: ``x [..., n, dim] -> [..., dim]``,
+    ``out = sum_s h[..., s] x[..., s, :]`` with ``h`` from :func:`collapse_weights`.
+
+    The weights come from PyTorch ops in fp32 (one projection per token, ``n`` columns); the
+    weighted sum runs on the fused mixing kernel (``backend="triton"``, or ``"auto"`` on CUDA for
+    ``n <= 16``) or in fp32 PyTorch ops (``"torch"``), and is returned in ``x``'s dtype.
+    """
+    n, dim = x.shape[-2], x.shape[-1]
+    check_streams(x, n, dim, "x")
+    h = collapse_weights(x, phi, a, b, rms_eps, eps)
+    if layer_backend(x, n, backend) == "triton":
+        x_in, _ = pre_mix(x.reshape(-1, n, dim), h.reshape(-1, n).float())
+        return x_in.view(*x.shape[:-2], dim)
+    return (h.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+
+
+class StreamCollapse(nn.Module):
+    """Learned per-token collapse of ``n`` streams into one (DeepSeek-V4's ``hc_head``):
+    ``forward(x [..., n, dim]) -> [..., dim]``, ``sum_s h[s] x[s]`` with
+    ``h = sigmoid(a_pre * (v @ phi) / RMS(v) + b_pre) + eps`` from the flattened token ``v``.
+
+    Starts as the mean of the streams (``phi = 0``, ``sigmoid(b_pre) = 1/n``), where
+    :func:`reduce_streams` stays. ``eps`` is DeepSeek-V4's ``hc_eps`` (default 0).
+    ``weights(x) -> [..., n]`` (fp32). See :func:`stream_collapse` for the paths.
+    """
+
+    def __init__(self, dim: int, n_streams: int, rms_eps: float = DEFAULT_RMS_EPS, eps: float = 0.0,
+                 backend: str = "auto"):
+        super().__init__()
+        self.dim = _positive_int(dim, "dim")
+        self.n_streams = n = _positive_int(n_streams, "n_streams")
+        self.rms_eps = _check_rms_eps(rms_eps)
+        self.eps = check_settings(1, "exact", backend, eps)
+        self.backend = backend
+        self.phi = nn.Parameter(torch.zeros(n * dim, n))
+        self.a_pre = nn.Parameter(torch.full((1,), 0.01))
+        self.b_pre = nn.Parameter(torch.full((n,), -math.log(n - 1) if n > 1 else 20.0))
+
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        check_streams(x, self.n_streams, self.dim, "x")
+        return collapse_weights(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_streams(x, self.n_streams, self.dim, "x")
+        return stream_collapse(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")
 
 
 def _gates_from_scalars(module, state_dict, prefix, *args) -> None:

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
-from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, collect_h_res, expand_streams
+from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
 
 DEVICE = KERNEL_DEVICE
 
@@ -272,3 +272,25 @@ def test_deepseek_v4_epsilon_settings_raise():
         HyperConnection(4, 2, backward="implicit", hc_eps=1e-6)
     with pytest.raises(ValueError, match="finite float >= 0"):
         HyperConnection(4, 2, hc_eps=-1.0)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_stream_collapse_fused_matches_reference(eps, nan_poison):
+    """DeepSeek-V4's head: ``sum_s (sigmoid(a (v @ phi) / RMS(v) + b) + eps)[s] x[s]``; the mean of the
+    streams at init; fused mix equal to the reference, output and every gradient."""
+    torch.manual_seed(13)
+    fused = StreamCollapse(10, 4, eps=eps, backend="triton").to(DEVICE)
+    x = torch.randn(3, 7, 4, 10, device=DEVICE)
+    torch.testing.assert_close(fused(x), x.mean(-2) * (1 + 4 * eps), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ref = StreamCollapse(10, 4, eps=eps, backend="torch").to(DEVICE)
+    ref.load_state_dict(fused.state_dict())
+    grad = torch.randn(3, 7, 10, device=DEVICE)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
+    v = x.flatten(-2)
+    h = torch.sigmoid(fused.a_pre * (v @ fused.phi) / v.square().mean(-1, keepdim=True).add(1e-6).sqrt() + fused.b_pre) + eps
+    torch.testing.assert_close(fused(x), (h[..., None] * x).sum(-2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4, 10\]"):
+        fused(torch.zeros(3, 5, 10, device=DEVICE))

@@ -1,0 +1,160 @@
+"""DeepSeek-V4 in Hugging Face transformers on ``mhc``'s fused kernels: :func:`patch_deepseek_v4`.
+
+transformers (5.23+) runs V4's hyper-connections as plain PyTorch in fp32: an fp32 copy of the
+streams, an unfused RMS norm and projection, 40 normalisation steps kept for autograd, and the
+post-mix as a broadcast multiply plus a ``matmul``. :func:`patch_deepseek_v4` swaps the classes of
+the model's mHC modules for subclasses whose ``forward`` runs ``mhc`` instead:
+
+- ``DeepseekV4HyperConnection`` (``attn_hc``, ``ffn_hc``) becomes an :class:`mhc.sites.Site` whose
+  parameters are V4's own ``fn``, ``base`` and ``scale`` read in ``mhc``'s layout (the ``comb``
+  block transposed: V4 applies ``comb`` transposed), with V4's ``hc_eps`` placement
+  (``HyperConnection(hc_eps=...)``);
+- ``DeepseekV4DecoderLayer.forward``, whose body does the mixing, splits the streams at
+  ``attn_hc``, hands over from the attention site to the MLP site with ``finish(y, next=ffn_hc)``
+  (the seam kernel on the fused path) and finishes the MLP site;
+- ``DeepseekV4HyperHead`` (``hc_head``) becomes :func:`mhc.mixing.stream_collapse`.
+
+Parameters stay the same tensors under the same names: state dicts, optimizers, FSDP2 wrapping per
+decoder layer and hub checkpoints are unchanged. ``docs/deepseek_v4.md`` has the mapping and the
+numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc.coefficients import DYNAMIC_MHC
+from mhc.layer import BACKENDS, MAX_EPS_N
+from mhc.mixing import stream_collapse
+from mhc.sites import MAX_FUSED_STREAMS, Site
+
+__all__ = ["patch_deepseek_v4"]
+
+
+def _deepseek_v4():
+    """transformers' DeepSeek-V4 module, or an ImportError saying what is needed."""
+    try:
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4
+    except ImportError as e:
+        raise ImportError(
+            "patch_deepseek_v4 needs transformers with DeepSeek-V4 (5.23 or newer): "
+            'pip install -e ".[transformers]"'
+        ) from e
+    return modeling_deepseek_v4
+
+
+def _v4_parameters(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int):
+    """V4's ``fn [(2 + n) n, n D]``, ``base [(2 + n) n]``, ``scale [3]`` as ``mhc``'s
+    ``(phi [n D, 2n + n n], a_pre, a_post, a_res, b_pre, b_post, b_res)``: views and one
+    concatenation of the same tensors, so gradients reach them.
+
+    ``fn``'s rows are ``[pre | post | comb]`` with ``comb[p, q]`` at ``2n + p n + q``; ``mhc``'s
+    ``h_res[t, s] = comb[s, t]`` (V4 mixes ``out[q] = sum_p comb[p, q] x[p]``)."""
+    k = fn.shape[1]
+    comb_t = fn[2 * n:].view(n, n, k).transpose(0, 1).reshape(n * n, k)
+    phi = torch.cat([fn[: 2 * n], comb_t], dim=0).t()
+    b_res = base[2 * n:].view(n, n).t()
+    return phi, scale[0:1], scale[1:2], scale[2:3], base[:n], base[n:2 * n], b_res
+
+
+def _patched_classes():
+    """The subclasses that replace V4's mHC classes (built once, on first use)."""
+    if _PATCHED:
+        return _PATCHED
+    v4 = _deepseek_v4()
+
+    class MHCDeepseekV4HyperConnection(v4.DeepseekV4HyperConnection, Site):
+        """``DeepseekV4HyperConnection`` as an ``mhc`` site over its own parameters."""
+
+        source = DYNAMIC_MHC
+        backward = "exact"
+        _recorder = None
+
+        @property
+        def n_streams(self) -> int:
+            return self.hc_mult
+
+        @property
+        def dim(self) -> int:
+            return self.fn.shape[1] // self.hc_mult
+
+        @property
+        def sinkhorn_iters(self) -> int:
+            return self.hc_sinkhorn_iters
+
+        @property
+        def rms_eps(self) -> float:
+            return self.input_norm.eps
+
+        def mixing_parameters(self):
+            return _v4_parameters(self.fn, self.base, self.scale, self.hc_mult)
+
+        def forward(self, hidden_streams: torch.Tensor):
+            """V4's interface, ``(post [..., n], comb [..., n, n], collapsed [..., D])``, from
+            ``mhc``'s coefficients (``comb = h_res^T``)."""
+            x_in, _ = self.split(hidden_streams)
+            _, h_post, h_res = self.coefficients(hidden_streams)
+            return h_post, h_res.transpose(-1, -2), x_in
+
+    class MHCDeepseekV4DecoderLayer(v4.DeepseekV4DecoderLayer):
+        """``DeepseekV4DecoderLayer`` whose two sites run on ``mhc``, handing over through the seam."""
+
+        def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None, **kwargs):
+            x_in, finish = self.attn_hc.split(hidden_states)  # streams [B, S, hc_mult, D]
+            attn_output, _ = self.self_attn(self.input_layernorm(x_in), **kwargs)
+            x_in, finish = finish(attn_output, next=self.ffn_hc)
+            return finish(self.mlp(self.post_attention_layernorm(x_in), input_ids=input_ids))
+
+    class MHCDeepseekV4HyperHead(v4.DeepseekV4HyperHead):
+        """``DeepseekV4HyperHead`` as :func:`mhc.mixing.stream_collapse` over its own parameters."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return stream_collapse(x, self.hc_fn.t(), self.hc_scale, self.hc_base, self.input_norm.eps, self.eps,
+                                   self.backend)
+
+    _PATCHED.update(hc=MHCDeepseekV4HyperConnection, layer=MHCDeepseekV4DecoderLayer, head=MHCDeepseekV4HyperHead)
+    return _PATCHED
+
+
+_PATCHED: dict = {}
+
+
+def patch_deepseek_v4(model, backend: str = "auto"):
+    """Run a transformers DeepSeek-V4 model's hyper-connections on ``mhc``, in place; returns ``model``.
+
+    Args:
+        model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (already patched is fine).
+        backend: ``"auto"`` (fused Triton kernels for CUDA tensors, the PyTorch reference
+            otherwise), ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    After patching, transformers' ``DeepseekV4HyperConnection.forward``,
+    ``DeepseekV4HyperHead.forward`` and ``DeepseekV4DecoderLayer.forward`` no longer run for this
+    model; everything else (attention, MoE, norms, cache, generation) is transformers' own. The
+    model computes what transformers computes (fp32: to rounding; the fused path mixes in fp32
+    where V4 rounds its coefficients to the model dtype first), with the same parameters.
+
+    Raises:
+        ImportError: transformers without DeepSeek-V4.
+        TypeError: ``model`` is not a DeepSeek-V4 model.
+        ValueError: ``hc_mult`` beyond the kernels (16 streams) on ``backend="triton"``, or an
+            unknown ``backend``.
+    """
+    v4 = _deepseek_v4()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(model, (v4.DeepseekV4ForCausalLM, v4.DeepseekV4Model)):
+        raise TypeError(f"patch_deepseek_v4 takes a DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+    base = model.model if isinstance(model, v4.DeepseekV4ForCausalLM) else model
+    n = base.config.hc_mult
+    limit = min(MAX_FUSED_STREAMS, MAX_EPS_N)
+    if backend == "triton" and n > limit:
+        raise ValueError(f"the fused kernels take hc_mult <= {limit}, got {n}; use backend='torch'")
+    classes = _patched_classes()
+    for layer in base.layers:
+        layer.__class__ = classes["layer"]
+        for site in (layer.attn_hc, layer.ffn_hc):
+            site.__class__ = classes["hc"]
+            site.backend = backend
+    base.hc_head.__class__ = classes["head"]
+    base.hc_head.backend = backend
+    return model

@@ -1,0 +1,192 @@
+"""``patch_deepseek_v4`` against transformers' own DeepSeek-V4 modules and model, on tiny models built
+from ``DeepseekV4Config`` here (nothing downloaded): loss, logits, every parameter gradient,
+greedy generation, state dicts both ways, both backends, ``hc_mult`` 2 and 4, a few iteration
+counts, bf16 by the three-way rule, and the errors.
+
+The fused backend runs the kernels in Triton's interpreter on CPU (compiled on a GPU).
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4")
+
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
+
+from mhc import kernels  # noqa: E402
+from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
+from tests.conftest import KERNEL_DEVICE  # noqa: E402
+
+BACKENDS = ["torch", "triton"]
+MLP_TYPES = ["hash_moe", "moe"]  # both routers
+
+
+def tiny_config(hc_mult=4, iters=20, layers=2, hidden=64, **kwargs):
+    return DeepseekV4Config(
+        vocab_size=97, hidden_size=hidden, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=16,
+        index_topk=4, sliding_window=8, qk_rope_head_dim=8, hc_mult=hc_mult, hc_sinkhorn_iters=iters,
+        num_nextn_predict_layers=0, max_position_embeddings=256, mlp_layer_types=MLP_TYPES[:layers],
+        experts_implementation="eager", **kwargs,  # the loop over experts runs in fp64 too (the oracle)
+    )
+
+
+def model_pair(backend, seed=0, **config):
+    """An unpatched model (its mHC parameters moved off their zero / one init) and a patched copy."""
+    torch.manual_seed(seed)
+    ref = DeepseekV4ForCausalLM(tiny_config(**config)).float().to(KERNEL_DEVICE)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "hc" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return ref, patch_deepseek_v4(copy.deepcopy(ref), backend=backend)
+
+
+def step(model, ids):
+    """Loss, logits and every parameter gradient of one training step."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def assert_close_scaled(got, want, rel):
+    """Within ``rel * max(1e-3, max |want|)``: gradients that are ~0 (the hash router's) carry
+    nothing but rounding."""
+    scale = max(1e-3, want.abs().amax().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=0, atol=rel * scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hc_mult, iters", [(4, 20), (2, 3), (4, 1)])
+def test_patched_model_computes_what_transformers_computes(backend, hc_mult, iters):
+    ref, got = model_pair(backend, hc_mult=hc_mult, iters=iters)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    want_loss, want_logits, want_grads = step(ref, ids)
+    loss, logits, grads = step(got, ids)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys()
+    for k in want_grads:
+        assert_close_scaled(grads[k], want_grads[k], 2e-5)
+    assert any("attn_hc.fn" in k for k in grads) and any("hc_head.hc_fn" in k for k in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_generation_with_the_cache(backend):
+    ref, got = model_pair(backend, seed=2)
+    prompt = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
+    want = ref.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got.generate(prompt, max_new_tokens=6, do_sample=False), want)
+
+
+def test_state_dicts_load_both_ways():
+    ref, got = model_pair("torch", seed=3)
+    assert list(ref.state_dict()) == list(got.state_dict())
+    for name, p in got.named_parameters():
+        assert p is dict(got.named_parameters())[name]  # the same tensors under the same names
+    fresh_ref = DeepseekV4ForCausalLM(tiny_config()).to(KERNEL_DEVICE)
+    fresh_got = patch_deepseek_v4(DeepseekV4ForCausalLM(tiny_config()).to(KERNEL_DEVICE), backend="torch")
+    fresh_ref.load_state_dict(got.state_dict(), strict=True)
+    fresh_got.load_state_dict(ref.state_dict(), strict=True)
+    ids = torch.randint(0, 97, (1, 9)).to(KERNEL_DEVICE)
+    torch.testing.assert_close(fresh_got(input_ids=ids).logits, fresh_ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_mhc_code_no_longer_runs(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers' own mHC code ran")
+
+    _, got = model_pair("triton", seed=4)
+    for cls in (v4.DeepseekV4HyperConnection, v4.DeepseekV4HyperHead, v4.DeepseekV4DecoderLayer):
+        monkeypatch.setattr(cls, "forward", refuse)
+    calls = []
+    original = kernels.seam_fwd
+    monkeypatch.setattr(kernels, "seam_fwd", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids = torch.randint(0, 97, (2, 11)).to(KERNEL_DEVICE)
+    got(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 2  # one seam per decoder layer: attention site -> MLP site
+
+
+def test_base_model_and_patching_twice():
+    torch.manual_seed(5)
+    ref = DeepseekV4Model(tiny_config()).to(KERNEL_DEVICE)
+    got = patch_deepseek_v4(patch_deepseek_v4(copy.deepcopy(ref), backend="torch"), backend="torch")
+    ids = torch.randint(0, 97, (2, 10)).to(KERNEL_DEVICE)
+    torch.testing.assert_close(got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state,
+                               rtol=1e-5, atol=1e-5)
+    assert isinstance(got.layers[0], v4.DeepseekV4DecoderLayer)  # what transformers' hooks look for
+
+
+def _bf16_errors(seed):
+    """``(exact, unpatched, patched)`` logits and mHC parameter gradients: an fp64 model, and bf16
+    models with fp32 mHC parameters (as transformers keeps them)."""
+    ref, got = model_pair("triton", seed=seed)
+    exact = copy.deepcopy(ref).double()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(seed)).to(KERNEL_DEVICE)
+    for model in (ref, got):
+        model.to(torch.bfloat16)
+        for name, module in model.named_modules():
+            if name.endswith(("attn_hc", "ffn_hc", "hc_head")):
+                module.float()
+    out = []
+    for model in (exact, ref, got):
+        _, logits, grads = step(model, ids)
+        out.append({"logits": logits, **{k: g for k, g in grads.items() if "hc" in k}})
+    return out
+
+
+def test_bf16_three_way():
+    """bf16: the logits and the projections' gradients (``fn``, ``hc_fn``) of the patched model at
+    most twice as far from an fp64 model as the unpatched bf16 model's. The biases' and gates'
+    gradients (``base``, ``scale``) are a few sums over every token each, whose error is one draw
+    of many roundings (docs/mixing.md, "Accuracy"): pooled over the sites and three draws."""
+    draws = [_bf16_errors(seed) for seed in (6, 7, 8)]
+
+    def error(i, keys):
+        diff = sum(((d[i][k].double() - d[0][k]).norm() ** 2 for d in draws for k in keys))
+        return (diff / sum(d[0][k].norm() ** 2 for d in draws for k in keys)).sqrt().item()
+
+    keys = list(draws[0][0])
+    groups = {k: [k] for k in keys if k == "logits" or k.endswith("fn")}
+    for kind in ("base", "scale"):
+        groups[kind] = [k for k in keys if k.endswith(kind)]
+    for name, group in groups.items():
+        assert error(2, group) <= 2 * error(1, group) + 1e-6, (name, error(2, group), error(1, group))
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="DeepseekV4ForCausalLM or DeepseekV4Model"):
+        patch_deepseek_v4(torch.nn.Linear(2, 2))
+    model = DeepseekV4ForCausalLM(tiny_config(hc_mult=17, hidden=32, layers=1))
+    with pytest.raises(ValueError, match="hc_mult <= 16"):
+        patch_deepseek_v4(model, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        patch_deepseek_v4(model, backend="cuda")
+    patch_deepseek_v4(model, backend="torch")  # the reference path takes any hc_mult
+
+
+def test_transformers_without_deepseek_v4(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers.models.deepseek_v4", None)
+    with pytest.raises(ImportError, match="transformers with DeepSeek-V4"):
+        patch_deepseek_v4(torch.nn.Linear(2, 2))
+
+
+def test_example_fine_tunes_both_models(tmp_path):
+    sys.path.insert(0, "examples")
+    from deepseek_v4 import main
+
+    main(["--preset", "cpu", "--steps", "3", "--out-dir", str(tmp_path)])
+    import json
+
+    results = json.loads((tmp_path / "deepseek_v4.json").read_text())
+    assert set(results) == {"unpatched", "patched"}
+    # same weights, same batches: the two runs agree to rounding
+    for a, b in zip(results["unpatched"]["losses"], results["patched"]["losses"]):
+        assert abs(a - b) < 1e-4
