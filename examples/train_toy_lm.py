@@ -194,7 +194,7 @@ class TinyGPT(nn.Module):
     called, so sharded runs call every site as a module (``chain=False``)."""
 
     def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss,
-                 checkpoint_blocks=False, chain=True):
+                 checkpoint_blocks=False, chain=True, capturable=False):
         super().__init__()
         self.residual, self.streams, self.loss = residual, streams, loss
         self.checkpoint_blocks = checkpoint_blocks
@@ -211,7 +211,7 @@ class TinyGPT(nn.Module):
                 for b in branches
             )
         self.norm = nn.RMSNorm(dim)
-        self.head = LinearCrossEntropy(dim, vocab)
+        self.head = LinearCrossEntropy(dim, vocab, capturable=capturable)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -249,7 +249,8 @@ class TinyGPT(nn.Module):
 def build_model(args, arm: str, vocab: int) -> TinyGPT:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     return TinyGPT(vocab, args.dim, args.layers, args.heads, args.seq_len, arm, args.streams,
-                   args.sinkhorn_iters, args.loss, args.checkpoint_activations, chain=not args.fsdp)
+                   args.sinkhorn_iters, args.loss, args.checkpoint_activations, chain=not args.fsdp,
+                   capturable=args.cuda_graph)
 
 
 def shard(model: TinyGPT, args) -> TinyGPT:
@@ -334,6 +335,51 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
+class GraphedStep:
+    """One training step (forward, backward, gradient clipping, AdamW) captured in a CUDA graph:
+    the first ``WARMUP`` steps run eagerly on a side stream (so that every kernel is compiled and
+    the allocator has seen the step), the next is captured, and every step from then on copies its
+    batch and learning rate into the static inputs and replays the graph: no host work per kernel.
+    Needs ``AdamW(capturable=True)`` with a tensor learning rate and a loss without host reads."""
+
+    WARMUP = 3
+
+    def __init__(self, trained, model, opt, args, device, batch_shape):
+        self.trained, self.model, self.opt, self.args, self.device = trained, model, opt, args, device
+        self.batch = torch.zeros(batch_shape, dtype=torch.long, device=device)
+        self.graph, self.calls, self.out = None, 0, None
+
+    def _step(self):
+        with autocast(self.args, self.device):
+            loss = self.trained(self.batch[:, :-1], self.batch[:, 1:])
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+        self.opt.step()
+        return loss, grad_norm
+
+    def __call__(self, batch, lr):
+        self.batch.copy_(batch)
+        for group in self.opt.param_groups:
+            group["lr"].fill_(lr)
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        self.opt.zero_grad(set_to_none=True)
+        if self.calls <= self.WARMUP:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                out = self._step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return out
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+        self.graph.replay()
+        return self.out
+
+
 def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     """Train one arm; returns its JSONL log. Rank 0 logs, evaluates and checkpoints."""
     out = Path(args.out_dir)
@@ -342,7 +388,11 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     model = build_model(args, arm, source.vocab).to(device)
     if args.fsdp:
         model = shard(model, args)  # before the optimizer: its parameters become sharded DTensors
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if args.cuda_graph:  # a tensor learning rate: set on the device between replays
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device), betas=(0.9, 0.95),
+                                weight_decay=0.0, capturable=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if args.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
@@ -360,18 +410,22 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     progress = _progress(args, rank, start, name)
     tokens_per_step = args.batch_size * args.seq_len
     tick, last_logged = time.perf_counter(), start
+    graphed = GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
     for step in range(start, args.steps):
         batch = batch_for_step(source, args, step).chunk(world)[rank].to(device)  # this rank's rows
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        with autocast(args, device):
-            loss = trained(batch[:, :-1], batch[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        opt.step()
+        if graphed is not None:
+            loss, grad_norm = graphed(batch, lr_at(step, args))
+        else:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args)
+            with autocast(args, device):
+                loss = trained(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            opt.step()
         done = step + 1
         if done % args.log_every and done != args.steps and done % args.eval_every:
             progress.update(1)
@@ -572,6 +626,8 @@ def parse_args(argv=None):
                    help="shard with FSDP2 (one unit per block; bf16/fp16 parameters, fp32 reduction) under torchrun")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block's activations in the backward (torch.utils.checkpoint)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the training step in a CUDA graph and replay it (one GPU, fused loss)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -587,6 +643,8 @@ def parse_args(argv=None):
         p.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
     if not args.text and not 1 <= args.branching <= args.vocab:
         p.error(f"--branching must be in [1, --vocab], got {args.branching}")
+    if args.cuda_graph and (args.fsdp or args.loss != "fused" or args.resume):
+        p.error("--cuda-graph runs one process with the fused loss, without --fsdp or --resume")
     return args
 
 
@@ -602,6 +660,8 @@ def main(argv=None) -> list[Path]:
     if args.fsdp and not distributed:
         sys.exit("--fsdp needs a process group: launch with torchrun --nproc_per_node=N")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graph and (device.type != "cuda" or world > 1):
+        sys.exit("--cuda-graph needs one process on a CUDA device")
     if distributed:
         if args.batch_size % world:
             sys.exit(f"--batch-size ({args.batch_size}) must be divisible by the {world} processes")

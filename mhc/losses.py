@@ -194,9 +194,11 @@ def torch_lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=F
 
 
 def torch_grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
-                        need_input, need_weight, need_bias, *, class_weight=None, softcap=None):
+                        need_input, need_weight, need_bias, *, class_weight=None, softcap=None,
+                        capturable=False):
     """Gradients for x, weight and bias (None where not needed); the logits' gradient is
-    ``prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight`` per row."""
+    ``prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight`` per row.
+    No host reads (``capturable`` changes nothing here)."""
     compute = _compute_dtype(x.dtype)
     xc = x.to(compute)
     prob_scale, target_scale = prob_scale.to(compute)[:, None], target_scale.to(compute)
@@ -246,6 +248,7 @@ class LossOptions:
     label_smoothing: float = 0.0
     lse_square_scale: float = 0.0
     softcap: float | None = None
+    capturable: bool = False
 
 
 def _target_weights(target, valid, class_weight, dtype):
@@ -277,11 +280,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, class_weight, options, backend):
         lse_forward, _ = _passes(backend)
         smoothing = options.label_smoothing > 0
-        check_targets = _target_check(target, weight.shape[0], options.ignore_index)
+        if not options.capturable:
+            check_targets = _target_check(target, weight.shape[0], options.ignore_index)
         lse, target_logit, smooth_sum = lse_forward(
             x, weight, bias, target, class_weight=class_weight, smoothing=smoothing,
             softcap=options.softcap)
-        check_targets()  # before the class weights are indexed by target
+        if not options.capturable:
+            check_targets()  # before the class weights are indexed by target
         valid = target != options.ignore_index
         target_weight = _target_weights(target, valid, class_weight, lse.dtype)
         ce = target_weight * (lse - target_logit)
@@ -330,7 +335,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_x, grad_w, grad_b = grad_backward(
             x, weight, bias, target, lse, prob_scale.contiguous(), target_scale.contiguous(),
             smooth_scale, need_x, need_w, need_b and bias is not None,
-            class_weight=class_weight, softcap=options.softcap,
+            class_weight=class_weight, softcap=options.softcap, capturable=options.capturable,
         )
         return grad_x, grad_w, grad_b, None, None, None, None
 
@@ -363,6 +368,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     backend: str = "auto",
+    capturable: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight=weight,
     label_smoothing=label_smoothing)`` without the logits, plus a z-loss and logit soft-capping.
@@ -398,6 +404,12 @@ def linear_cross_entropy(
         backend: ``"auto"`` (Triton for fp16/bf16/fp32 CUDA tensors, PyTorch otherwise),
             ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"`` (chunked,
             any device; fp32 arithmetic, fp64 for fp64).
+        capturable: no host reads, so that a training step can be captured in a CUDA graph
+            (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``). The targets'
+            range is then not checked (a target outside ``[0, V)`` that is not ``ignore_index``
+            gives an undefined loss instead of a ``ValueError``), and the gradient's scale is
+            applied on the device after the products rather than as their ``alpha`` (one more
+            pass over ``dW``, and one more rounding of it in the weight dtype).
 
     Returns:
         The loss in the input's dtype: a scalar, or ``target.shape`` for ``"none"``; with
@@ -418,7 +430,9 @@ def linear_cross_entropy(
     x = input.reshape(-1, dim).contiguous()
     t = target.reshape(-1).long()
     class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()
-    options = LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+    if not isinstance(capturable, bool):
+        raise TypeError(f"capturable must be a bool, got {type(capturable).__name__}")
+    options = LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale, softcap, capturable)
     with torch.autocast(device_type=device_type, enabled=False):
         loss, z_loss = _apply(x, linear_weight.contiguous(), linear_bias, t, class_weight, options,
                               backend)
@@ -441,7 +455,8 @@ class LinearCrossEntropy(nn.Module):
                  weight: torch.Tensor | None = None, reduction: str = "mean",
                  ignore_index: int = DEFAULT_IGNORE_INDEX, label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_z_loss: bool = False, backend: str = "auto", device=None, dtype=None):
+                 return_z_loss: bool = False, backend: str = "auto", capturable: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -458,6 +473,7 @@ class LinearCrossEntropy(nn.Module):
         self.ignore_index = ignore_index
         self.return_z_loss = return_z_loss
         self.backend = backend
+        self.capturable = capturable
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return linear_cross_entropy(
@@ -465,6 +481,7 @@ class LinearCrossEntropy(nn.Module):
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
             softcap=self.softcap, return_z_loss=self.return_z_loss, backend=self.backend,
+            capturable=self.capturable,
         )
 
     def extra_repr(self) -> str:

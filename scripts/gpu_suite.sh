@@ -17,5 +17,8 @@ filter=${1:-}
 shift || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_sinkhorn_gpu.py tests/test_mixing_gpu.py tests/test_mixing_fused.py tests/test_mixing_edges.py tests/test_losses_gpu.py ${filter:+-k "$filter"} 2>&1 | tee "$out/tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_sinkhorn_gpu.py tests/test_sinkhorn_eps.py tests/test_mixing_gpu.py \
+  tests/test_mixing_fused.py tests/test_mixing_edges.py tests/test_mixing_chain.py tests/test_mixing_chain_gpu.py \
+  tests/test_launch.py tests/test_capture_gpu.py tests/test_deepseek_v4.py tests/test_losses_gpu.py \
+  ${filter:+-k "$filter"} 2>&1 | tee "$out/tests.log"
 python3 examples/benchmark_sinkhorn.py --out "$out/sinkhorn.csv" "$@" 2>&1 | tee "$out/bench.log"

@@ -288,3 +288,40 @@ def test_ignore_index_none_is_minus_100():
     assert (t == -100).any()
     torch.testing.assert_close(linear_cross_entropy(x, w, t, ignore_index=None),
                                linear_cross_entropy(x, w, t, ignore_index=-100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_reads_nothing_on_the_host(dtype, monkeypatch):
+    """``capturable=True``: no host read in forward or backward (``read_later`` and ``.item()``
+    refused), the same loss and gradients as the default path, every option on."""
+    g = torch.Generator().manual_seed(21)
+    device = KERNEL_DEVICE
+    x = torch.randn(37, 24, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(50, 24, generator=g) * 0.3).to(device=device, dtype=dtype)
+    b = (torch.randn(50, generator=g) * 0.1).to(device=device, dtype=dtype)
+    t = torch.randint(0, 50, (37,), generator=g).to(device)
+    t[3] = -100
+    weights = class_weights(50, 1).float().to(device)
+    options = dict(weight=weights, label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, backend="triton")
+    grad_up = torch.tensor(0.7, device=device, dtype=dtype)
+
+    def run(capturable):
+        xs, ws, bs = (v.clone().requires_grad_() for v in (x, w, b))
+        loss = linear_cross_entropy(xs, ws, t, linear_bias=bs, capturable=capturable, **options)
+        loss.backward(grad_up)
+        return loss.detach(), xs.grad, ws.grad, bs.grad
+
+    want = run(False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read")
+
+    monkeypatch.setattr(mhc.losses, "read_later", refuse)
+    monkeypatch.setattr(lce, "read_later", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    got = run(True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for a, b_ in zip(got, want):
+        torch.testing.assert_close(a, b_, **tol)
+    with pytest.raises(TypeError, match="capturable must be a bool"):
+        linear_cross_entropy(x, w, t, capturable=1)

@@ -366,7 +366,8 @@ def _zero_grads(x, grad_x, grad_w, grad_b):
 
 
 def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
-                  need_input, need_weight, need_bias, *, class_weight=None, softcap=None):
+                  need_input, need_weight, need_bias, *, class_weight=None, softcap=None,
+                  capturable=False):
     """Gradients for x, weight and bias (None where not needed) of a loss whose gradient with
     respect to the (soft-capped) logits ``z`` of row i is
 
@@ -375,7 +376,9 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
 
     (``mhc.losses`` derives the coefficients; ``smooth_scale`` None: no such term). The three
     fp32 ``[N]`` coefficients are 0 on ignored rows. Their largest combined magnitude is factored
-    out of ``G`` (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues.
+    out of ``G`` (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues,
+    read on the host; ``capturable``: applied on the device after the products instead (no host
+    read, for CUDA graph capture).
     """
     N, D = x.shape
     V = weight.shape[0]
@@ -391,7 +394,7 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     # Divided on the device; the host needs the value only as the products' alpha, read once the
     # first G chunk is queued (waiting for the copy alone: the GPU stays busy meanwhile).
     bound_max = bound.max()
-    scale_max_later = read_later(bound_max)
+    scale_max_later = None if capturable else read_later(bound_max)
     divisor = bound_max.clamp(min=torch.finfo(bound.dtype).tiny)
     prob_scale, target_scale = prob_scale / divisor, target_scale / divisor
     smoothing = smooth_scale is not None
@@ -419,7 +422,9 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
             BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision,
             UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
         )
-        if scale_max is None:
+        if scale_max is None and capturable:
+            scale_max = 1.0  # the products unscaled; the device divisor is applied below
+        elif scale_max is None:
             scale_max = scale_max_later()
             if scale_max == 0.0:  # every row ignored, or a zero upstream gradient
                 return _zero_grads(x, grad_x, grad_w, grad_b)
@@ -438,8 +443,13 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
                 PRECISION=precision, UPCAST=_upcast(x), num_warps=in_warps, num_stages=in_stages,
             )
     del grads, g  # before the cast below allocates dx
+    scale = divisor if capturable else scale_max
     if need_input:
-        grad_x = grad_x.mul_(scale_max).to(x.dtype)
+        grad_x = grad_x.mul_(scale).to(x.dtype)
+    if capturable and need_weight:
+        grad_w.mul_(scale)
+    if capturable and need_bias:
+        grad_b.mul_(scale)
     return grad_x, grad_w, grad_b
 
 

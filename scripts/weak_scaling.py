@@ -1,0 +1,291 @@
+"""Weak scaling of a GPT with plain residuals and with mhc hyper-connections under FSDP2: the same
+tokens per GPU on 1 and on N GPUs, several runs each.
+
+    python scripts/weak_scaling.py --gpus 1 2 --tokens 8192 16384 --runs 5 --out results/scaling
+
+The driver launches one ``torchrun`` job per (tokens, GPUs); a job builds each arm's model afresh
+for every run, the arms interleaved within a run, and times it. The driver writes ``scaling.csv``
+and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run). ``--profile`` adds a torch.profiler trace
+summary of each arm's step on the largest GPU count (``profile_<arm>.txt``): GPU busy time
+against step time, and how long the host takes to issue a step.
+
+The model (issue-sized): d = 2048, 8 layers (16 sites), 16 heads, n = 4 streams, sequences of
+2048 tokens, fp32 master weights, FSDP2 ``fully_shard`` per layer and at the root with
+``MixedPrecisionPolicy(bf16, fp32)``, AdamW; 3 warm-up steps, then 10 timed steps (synchronised
+wall time each). Arms: ``plain``, ``mhc`` (every site called as a module) and ``mhc-chain`` (the
+two sites of a layer joined by ``finish(y, next=...)``; FSDP2 gathers a layer's parameters once
+for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARMS = ("plain", "mhc", "mhc-chain")
+SEQ = 2048
+# NVLink multicast stays off (shared machines): every process started here inherits these
+SAFE_ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, h):
+        B, T, D = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, D // self.heads).unbind(dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Layer(nn.Module):
+    """Attention and MLP, on a plain residual or on two hyper-connection sites (one FSDP2 unit)."""
+
+    def __init__(self, arm, dim, heads, n):
+        super().__init__()
+        from mhc.mixing import HyperConnection
+
+        self.arm = arm
+        if arm == "plain":
+            self.attn, self.mlp = Attention(dim, heads), MLP(dim)
+        else:
+            self.attn = HyperConnection(dim, n, Attention(dim, heads), init="zero")
+            self.mlp = HyperConnection(dim, n, MLP(dim), init="zero")
+
+    def forward(self, x):
+        if self.arm == "plain":
+            x = x + self.attn(x)
+            return x + self.mlp(x)
+        if self.arm == "mhc":
+            return self.mlp(self.attn(x))
+        x_in, finish = self.attn.split(x)
+        x_in, finish = finish(self.attn.branch(x_in), next=self.mlp)
+        return finish(self.mlp.branch(x_in))
+
+
+class GPT(nn.Module):
+    def __init__(self, arm, vocab=32768, dim=2048, layers=8, heads=16, n=4):
+        super().__init__()
+        self.arm, self.n = arm, n
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Layer(arm, dim, heads, n) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        from mhc.mixing import expand_streams, reduce_streams
+
+        h = self.embed(tokens)
+        x = h if self.arm == "plain" else expand_streams(h, self.n)
+        for layer in self.layers:
+            x = layer(x)
+        h = x if self.arm == "plain" else reduce_streams(x)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ------------------------------------------------------------------------------ worker (one torchrun job)
+
+
+def worker(args):
+    import torch.distributed as dist
+
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        sync = torch.cuda.synchronize
+    else:  # the script's own test: gloo on the CPU, a small model
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        sync = lambda device: None  # noqa: E731
+    results = []
+    for run in range(args.runs):
+        for arm in args.arms:
+            times, peak, summary = _run(arm, args, device, rank, sync)
+            results.append(dict(run=run, arm=arm, times=times, peak_gib=peak, profile=summary))
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _run(arm, args, device, rank, sync):
+    """Build ``arm``'s model on the device, shard it, time ``args.steps`` steps after warm-up."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    with device:
+        model = GPT(arm, dim=args.dim, layers=args.layers, heads=args.heads)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    g = torch.Generator(device=device).manual_seed(1 + rank)
+    tokens = torch.randint(0, 32768, (args.tokens[0] // args.seq, args.seq + 1), device=device, generator=g)
+
+    def step():
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if i >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    summary = _profile(step, device, sync) if args.profile else None
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, peak, summary
+
+
+def _profile(step, device, sync):
+    """GPU busy time, step time and the host's time to issue a step, over 3 profiled steps (every
+    rank profiles, as every rank runs the collectives; rank 0 reports)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        issued = time.perf_counter()
+        sync(device)
+    done = time.perf_counter()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels)
+    comm = sum(e.device_time for e in kernels if "nccl" in e.name.lower())
+    top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return dict(step_ms=(done - t0) / 3 * 1e3, host_issue_ms=(issued - t0) / 3 * 1e3, gpu_busy_ms=busy / 3e3,
+                nccl_ms=comm / 3e3, top_cpu=top)
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def launch(arms, runs, gpus, tokens, args, profile=False):
+    """One torchrun job: ``runs`` rounds of every arm on ``gpus`` GPUs; its per-run results."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__,
+           "--worker", "--arms", *arms, "--runs", str(runs), "--tokens", str(tokens), "--result", result,
+           "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--dim", str(args.dim), "--layers", str(args.layers), "--heads",
+           str(args.heads), "--seq", str(args.seq)] + (["--profile"] if profile else [])
+    env = {**os.environ, **SAFE_ENV}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+        raise RuntimeError(f"{arms} on {gpus} GPU(s) failed")
+    with open(result) as f:
+        return json.load(f)
+
+
+def driver(args):
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for tokens in args.tokens:
+        for gpus in args.gpus:
+            for r in launch(args.arms, args.runs, gpus, tokens, args):
+                ms = statistics.median(r["times"])
+                rows.append(dict(run=r["run"], tokens_per_gpu=tokens, arm=r["arm"], gpus=gpus, step_ms=ms,
+                                 step_ms_min=min(r["times"]), step_ms_max=max(r["times"]), peak_gib=r["peak_gib"]))
+                print(f"  run {r['run']} tokens/GPU {tokens:6d} {r['arm']:>9} {gpus} GPU(s): {ms:8.2f} ms "
+                      f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB", flush=True)
+    with open(os.path.join(args.out, "scaling.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["| tokens per GPU | arm | " + " | ".join(f"{g} GPU(s), ms" for g in args.gpus)
+             + " | " + " | ".join(f"{g} / {args.gpus[0]} GPU" for g in args.gpus[1:]) + " |",
+             "| --- " * (2 + 2 * len(args.gpus) - 1) + "|"]
+    for tokens in args.tokens:
+        for arm in args.arms:
+            cells, ratios = [], []
+            for g in args.gpus:
+                ms = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, g)]
+                cells.append(", ".join(f"{v:.1f}" for v in ms))
+            base = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, args.gpus[0])]
+            for g in args.gpus[1:]:
+                ms = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, g)]
+                ratios.append(", ".join(f"{m / b:.3f}" for m, b in zip(ms, base)))
+            lines.append(f"| {tokens} | {arm} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.out, "scaling.md"), "w") as f:
+        f.write(table + "\n")
+    if args.profile:
+        for arm, r in ((r["arm"], r["profile"]) for r in launch(args.arms, 1, max(args.gpus), args.tokens[0], args, True)):
+            text = (f"{arm}, {max(args.gpus)} GPUs, {args.tokens[0]} tokens per GPU: step {r['step_ms']:.2f} ms, "
+                    f"host issues a step in {r['host_issue_ms']:.2f} ms, GPU busy {r['gpu_busy_ms']:.2f} ms "
+                    f"(NCCL {r['nccl_ms']:.2f} ms)\n" + r["top_cpu"])
+            print(text.splitlines()[0], flush=True)
+            with open(os.path.join(args.out, f"profile_{arm}.txt"), "w") as f:
+                f.write(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="tokens per GPU (multiples of 2048)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=SEQ)
+    p.add_argument("--out", default="results/scaling")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if any(t % args.seq for t in args.tokens):
+        p.error(f"--tokens must be multiples of --seq ({args.seq})")
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
