@@ -164,7 +164,8 @@ def bench_layer(args):
     from mhc.integrations.transformers import _patched_classes
 
     rows = []
-    x = torch.randn(args.bench_tokens, n, dim, device="cuda", dtype=dtype, requires_grad=True)
+    # [B, S, n, D]: V4's modules take the model's layout
+    x = torch.randn(args.bench_tokens // 2048, 2048, n, dim, device="cuda", dtype=dtype, requires_grad=True)
     w = torch.randn_like(x)
     for label, layer, patch in (("transformers", transformers_layer, False), ("mhc", mhc_layer, True)):
         attn, ffn = sites()
