@@ -15,7 +15,7 @@ after warm-up, in one run:
   coefficient parameters fp32), AdamW: one training step, eager and ``torch.compile``, the arms
   interleaved over ``--repeats`` rounds; step time, tokens/s, ratio to the plain model (median of
   the within-round ratios), peak memory. ``mhc`` calls every site as a module, ``mhc-chain``
-  chains them (``finish(y, next=...)``: the seam kernels between sites).
+  chains them (``finish(y, next=...)``: one seam op between sites).
 
 Then a profile of the fused block (where the time goes). Peers that are not installed are
 reported as skipped. Writes ``kernels.csv``, ``block.csv``, ``model.csv`` and ``profile.txt``.
@@ -142,8 +142,6 @@ def kernel_table(dim, n, tokens, copy_gbps):
             lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
             4 * X + 2 * Y),
     }
-    calls["seam fwd: post-mix + next coefficients + pre-mix (read x, y, x' again; write x', x_in)"] = (
-        lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6), 3 * X + 2 * Y)
     rows = []
     for name, (call, nbytes) in calls.items():
         ms = do_bench(call, warmup=25, rep=100, return_mode="median")

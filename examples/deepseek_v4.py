@@ -47,7 +47,7 @@ def v4_config(hidden, layers, heads, head_dim, experts, expert_dim, vocab, hc_mu
         vocab_size=vocab, hidden_size=hidden, moe_intermediate_size=expert_dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, q_lora_rank=hidden // 2,
         o_lora_rank=hidden // 2, o_groups=2, n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
-        index_n_heads=2, index_head_dim=32, index_topk=8, sliding_window=64, qk_rope_head_dim=min(64, head_dim // 2),
+        index_n_heads=2, index_head_dim=64, index_topk=8, sliding_window=64, qk_rope_head_dim=min(64, head_dim // 2),
         hc_mult=hc_mult, num_nextn_predict_layers=0, max_position_embeddings=4096,
         mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
     )

@@ -1,5 +1,5 @@
-"""Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing, mHC coefficient and
-seam kernels, their autograd Functions and the functionals that :mod:`mhc.sites` calls on the
+"""Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing and mHC coefficient
+kernels, their autograd Functions and the functionals that :mod:`mhc.sites` calls on the
 ``"triton"`` path.
 
 Read top to bottom: ops (what ``torch.compile`` traces) -> Functions -> functionals.
@@ -107,20 +107,6 @@ def _(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res
     return torch.empty_like(x), torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32)
 
 
-@torch.library.custom_op("mhc::mhc_seam_fwd", mutates_args=())
-def _seam_fwd_op(
-    x: torch.Tensor, y: torch.Tensor, h_post_l: torch.Tensor, h_res_l: torch.Tensor,
-    phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
-    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float, hc_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().seam_fwd(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps)
-
-
-@_seam_fwd_op.register_fake
-def _(x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps):
-    return (torch.empty_like(x), *_coefficient_outputs_fake(x))
-
-
 def _stream_mix_bwd_compiled(*args):
     return tuple(_none_if_empty(t) for t in torch.ops.mhc.stream_mix_bwd(*args))
 
@@ -131,7 +117,6 @@ _COMPILED = SimpleNamespace(
     stream_mix_bwd=_stream_mix_bwd_compiled,
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
     coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
-    seam_fwd=lambda *a: torch.ops.mhc.mhc_seam_fwd(*a),
 )
 
 
@@ -254,8 +239,9 @@ class MHCPreMixFunction(torch.autograd.Function):
 
 class MHCSeamFunction(torch.autograd.Function):
     """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s dynamic mHC
-    coefficients and pre-mix in one op, forward in one kernel (``mhc.kernels.mhc_seam``), backward
-    on the two unchained kernels.
+    coefficients and pre-mix as one autograd op (one node, one set of saved tensors) over the
+    post-mix and coefficient kernels. A single kernel for both was built and measured slower on
+    the H100 (``docs/mixing.md``, "The seam").
 
     ``(x [T, n, d], y [T, d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix inputs)
     and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site ``l+1``'s
@@ -268,7 +254,9 @@ class MHCSeamFunction(torch.autograd.Function):
     def forward(ctx, x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res,
                 iters, backward, eps, hc_eps):
         params = (phi, a_pre, a_post, a_res, b_pre, b_post, b_res)
-        x_next, x_in, *outputs = _launchers().seam_fwd(x, y, h_post_l, h_res_l, *params, iters, eps, hc_eps)
+        run = _launchers()
+        x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
+        x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
         _save_coefficients(ctx, x_next, params, outputs, (iters, backward, eps, hc_eps), x, y, h_post_l, h_res_l)
         return x_in, outputs[2], outputs[3], outputs[5], x_next
 

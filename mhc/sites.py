@@ -14,9 +14,9 @@ Two paths, chosen per call by :func:`layer_backend`:
 
 ``finish(y, next=site_2)`` ends this site and starts the next one, returning ``site_2``'s
 ``(x_in, finish)``: the same values as ``site_2.split(finish(y))``. On the fused path, when the
-next site has dynamic mHC coefficients, the two steps run as one kernel, the *seam*
-(``mhc.kernels.mhc_seam``): the new streams are written once and read once fewer times, forward
-and backward. Everywhere else ``next=`` composes the two steps.
+next site has dynamic mHC coefficients, the two steps run as one autograd op, the *seam*
+(:class:`mhc.mixing_ops.MHCSeamFunction`: one node and one set of saved tensors per boundary
+instead of two). Everywhere else ``next=`` composes the two steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from mhc.mixing_ops import mhc_seam, post_mix
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
 MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
-MAX_SEAM_STREAMS = 4  # largest n of the seam kernels (mhc.kernels.MAX_SEAM_STREAMS, tested)
 
 
 def check_floating(x, what: str) -> None:
@@ -171,8 +170,8 @@ class ReferenceFinish:
 
 
 class FusedFinish:
-    """``finish`` of the fused path, on flattened tokens ``[T, n, dim]``: the post-mix kernel, or
-    with ``next`` the seam kernel when the next site's coefficients are dynamic mHC."""
+    """``finish`` of the fused path, on flattened tokens ``[T, n, dim]``: the post-mix, or with
+    ``next`` the seam op when the next site's coefficients are dynamic mHC."""
 
     def __init__(self, site: Site, x_pass, h_post, h_res, shape):
         self.site, self.x_pass, self.h_post, self.h_res, self.shape = site, x_pass, h_post, h_res, shape
@@ -186,7 +185,7 @@ class FusedFinish:
             return _returned(rest, streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape))
         site._check_next(next)
         n = site.n_streams
-        if not (next.source.fused_coefficients and n <= MAX_SEAM_STREAMS and layer_backend(self.x_pass, n, next.backend) == "triton"):
+        if not (next.source.fused_coefficients and layer_backend(self.x_pass, n, next.backend) == "triton"):
             out = streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape)
             return _returned(rest, *next.split(out))
         x_in, _, h_post, h_res, x_pass = mhc_seam(

@@ -1,7 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [coefficients] [mix-bwd]
-                                  [seam] [model-profile] [n=8]
+                                  [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -9,8 +9,6 @@
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
-- ``seam``: the seam forward kernel (``mhc_seam``) over tile configurations at d = 1024 and 4096, n = 4
-  (``n=2``: 2), 16k tokens, with registers and spills, against the unchained kernels they replace;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
   with mhc hyper-connections under the profiler (CPU and CUDA time per op).
@@ -30,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torch  # noqa: E402
 
 from mhc import kernels  # noqa: E402
-from mhc.kernels import _launch, mhc_coefficients, mhc_seam, stream_mix  # noqa: E402
+from mhc.kernels import _launch, mhc_coefficients, stream_mix  # noqa: E402
 
 
 def _uncached():
@@ -38,7 +36,7 @@ def _uncached():
     cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
     _launch.FAST = False
     for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._grad_meta,
-                 mhc_coefficients._projection_meta, mhc_seam._fwd_meta):
+                 mhc_coefficients._projection_meta):
         meta.cache_clear()
 
 
@@ -265,38 +263,6 @@ def _capture(module, name):
     return jit, captured
 
 
-def sweep_seam():
-    """Seam forward over tile configurations, against the unchained kernels it replaces."""
-    n, T = STREAMS, 16384
-    fwd_configs = [mhc_seam.seam_fwd_config(n), (64, 16, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 2),
-                   (128, 16, 8, 2)]
-    fwd_original = mhc_seam.seam_fwd_config
-    for dim in (1024, 4096):
-        x, phi, gates, biases = _inputs(dim, n, T)
-        y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-        h_post = torch.rand(T, n, device="cuda") * 2
-        h_res = torch.softmax(torch.randn(T, n, n, device="cuda"), -1)
-        X, Y = x.numel() * 2, y.numel() * 2
-        print(f"  d={dim}: launcher's choice {fwd_original(n)}", flush=True)
-        _time(f"unchained fwd: post-mix + coefficients d={dim}", lambda: kernels.coefficients_fwd(
-            kernels.stream_mix_fwd(x, h_res, y, h_post), phi, *gates, *biases, 20, 1e-6), 4 * X + 2 * Y)
-        for cfg in fwd_configs:
-            mhc_seam.seam_fwd_config = lambda n, cfg=cfg: cfg
-            _uncached()
-            jit, captured = _capture(mhc_seam, "seam_fwd_kernel")
-            call = lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, *gates, *biases, 20, 1e-6)
-            try:
-                call()
-            except Exception as e:  # e.g. more shared memory than the device has
-                print(f"  seam fwd d={dim} {cfg}: failed {type(e).__name__}", flush=True)
-                continue
-            finally:
-                mhc_seam.seam_fwd_kernel = jit
-            k = captured["k"]
-            _time(f"seam fwd d={dim} {cfg} regs {k.n_regs} spills {k.n_spills}", call, 3 * X + 2 * Y)
-        mhc_seam.seam_fwd_config = fwd_original
-
-
 def model_profile():
     from torch.profiler import ProfilerActivity, profile
 
@@ -338,7 +304,7 @@ if __name__ == "__main__":
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
-                     ("mix-bwd", sweep_mix_bwd), ("seam", sweep_seam),
+                     ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)

@@ -17,7 +17,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
 
-from mhc import kernels  # noqa: E402
+from mhc import mixing_ops  # noqa: E402
 from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
 from tests.conftest import KERNEL_DEVICE  # noqa: E402
 
@@ -107,8 +107,8 @@ def test_transformers_mhc_code_no_longer_runs(monkeypatch):
     for cls in (v4.DeepseekV4HyperConnection, v4.DeepseekV4HyperHead, v4.DeepseekV4DecoderLayer):
         monkeypatch.setattr(cls, "forward", refuse)
     calls = []
-    original = kernels.seam_fwd
-    monkeypatch.setattr(kernels, "seam_fwd", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = mixing_ops.MHCSeamFunction.apply
+    monkeypatch.setattr(mixing_ops.MHCSeamFunction, "apply", lambda *a: calls.append(1) or original(*a))
     ids = torch.randint(0, 97, (2, 11)).to(KERNEL_DEVICE)
     got(input_ids=ids, labels=ids).loss.backward()
     assert len(calls) == 2  # one seam per decoder layer: attention site -> MLP site

@@ -1,5 +1,5 @@
 """Chained sites, ``finish(y, next=site_2)``: equal to ``site_2.split(finish(y))`` (outputs and every
-gradient) on both backends and for every kind of layer, the seam kernels included; errors,
+gradient) on both backends and for every kind of layer, the seam op included; errors,
 tuple branches, the recorder and ``torch.compile``.
 
 On CPU the kernels run in Triton's interpreter on small shapes; tests/test_mixing_gpu.py runs the
@@ -14,9 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from mhc import kernels
+from mhc import mixing_ops
 from mhc.mixing import HyperConnection, collect_h_res
-from mhc.sites import MAX_SEAM_STREAMS
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from tests.test_mixing_fused import Branch
 
@@ -96,34 +95,32 @@ def test_chained_equals_unchained(backend, n, dim, lead, kinds, hc_eps, seed, na
     x = torch.randn(*lead, n, dim, generator=g).to(DEVICE)
     grad = torch.randn(*lead, n, dim, generator=g).to(DEVICE)
     chained = run_chain(sites, x, grad, chained=True)
-    # the seam sums the projection and the coefficient gradients in another order than the
-    # separate kernels: a few fp32 roundings, amplified in the gates' gradients (one sum over
-    # every token with cancellation, docs/mixing.md "Accuracy")
+    # the seam's backward sums the coefficient gradients in another order: a few fp32 roundings,
+    # amplified in the gates' gradients (one sum over every token with cancellation,
+    # docs/mixing.md "Accuracy")
     assert_all_close(chained, run_chain(sites, x, grad, chained=False), rtol=5e-5, atol=1e-5)
     if backend == "triton":
         assert_all_close(chained, run_chain(same_chain(sites, "torch"), x, grad, chained=False), rtol=3e-5, atol=3e-5)
 
 
-@pytest.mark.parametrize("n", [MAX_SEAM_STREAMS, 8, 12])  # beyond MAX_SEAM_STREAMS: composed
+@pytest.mark.parametrize("n", [8, 12])  # the unrolled and the wide mixing kernels
 def test_wide_chains(n):
-    assert kernels.MAX_SEAM_STREAMS == MAX_SEAM_STREAMS
     sites = make_chain(["mhc", "mhc", "mhc"], 6, n, "triton", seed=1, scale=0.2)
     x, grad = torch.randn(2, 5, n, 6, device=DEVICE), torch.randn(2, 5, n, 6, device=DEVICE)
     want = run_chain(same_chain(sites, "torch"), x, grad, chained=False)
     assert_all_close(run_chain(sites, x, grad, chained=True), want, rtol=5e-5, atol=5e-5)
 
 
-def test_seam_kernel_runs_between_dynamic_mhc_sites(monkeypatch):
-    """The chained path starts the later sites with the seam kernel (the composition would run the
-    post-mix and the coefficient kernel instead)."""
-    calls = []
-    for name in ("seam_fwd", "coefficients_fwd", "stream_mix_fwd"):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    sites = make_chain(["mhc", "mhc", "mhc"], 8, 4, "triton", seed=2)
+def test_one_seam_op_between_dynamic_mhc_sites(monkeypatch):
+    """Chained dynamic mHC sites hand over through one seam op each (the composition would run a
+    post-mix op and a coefficient op); other kinds of next site are composed."""
+    seams = []
+    original = mixing_ops.MHCSeamFunction.apply
+    monkeypatch.setattr(mixing_ops.MHCSeamFunction, "apply", lambda *a: seams.append(1) or original(*a))
+    sites = make_chain(["mhc", "mhc", "static-mhc", "mhc"], 8, 4, "triton", seed=2)
     x = torch.randn(7, 4, 8, device=DEVICE)
     run_chain(sites, x, torch.randn_like(x), chained=True)
-    assert calls == ["coefficients_fwd", "seam_fwd", "seam_fwd", "stream_mix_fwd"]
+    assert len(seams) == 2  # mhc -> mhc and static-mhc -> mhc; mhc -> static-mhc is composed
 
 
 def test_low_precision_three_way():
