@@ -163,7 +163,7 @@ def sweep_projection():
     registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
     configs = [(64, 64, 4, 3, 8, None), (64, 64, 4, 3, 8, 168), (64, 64, 4, 3, 4, 168), (64, 64, 4, 2, 8, 168),
                (64, 64, 4, 3, 16, 168), (32, 128, 4, 3, 8, None), (64, 128, 8, 3, 8, None), (64, 64, 4, 2, 4, None)]
-    if STREAMS > 4:  # no spills in offline sm_90 compiles (Triton 3.6) but the last, the launcher's before
+    if STREAMS > 4:  # no spills in offline sm_90 compiles (Triton 3.6) but the last, the launcher's
         # 8 warps ((32, 64, 8, 2)) stopped with an illegal memory access on the H100
         configs = [(32, 32, 4, 2, 4, None), (16, 64, 4, 2, 4, None), (32, 32, 4, 2, 8, None), (64, 64, 4, 2, 4, None)]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision

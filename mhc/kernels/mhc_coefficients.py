@@ -364,10 +364,10 @@ def projection_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int, int 
         # uncapped), 2048 0.500 (0.586), 4096 0.961 (1.055); 8 per SM: 0.289, 0.529, 1.018
         return 64, 64, 4, 3, 6, 168
     if n <= 8:
-        # res columns [*, 64]: (64, 64) tiles spill (4.18 ms at d = 4096, n = 8); (32, 32) holds the
-        # accumulators in 246 registers without spills (offline sm_90 compile, Triton 3.6). 8 warps
-        # ((32, 64), 203 registers) stopped with an illegal memory access on the H100.
-        return 32, 32, 4, 2, 4, None
+        # res columns [64, 64], spilling, yet the fastest: at d = 4096, n = 8, 4.18 ms against 8.14 ms
+        # for (16, 64) and 9.70 ms for (32, 32), which do not spill (H100,
+        # docs/benchmarks/mixing_n8_h100.log); 8 warps stopped with an illegal memory access
+        return 64, 64, 4, 2, 4, None
     return 16, 32, 4, 2, 4, None
 
 
