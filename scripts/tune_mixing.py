@@ -103,15 +103,20 @@ def launch_overhead():
     _host_time(f"mhc chained (per site, {sites} sites)", chained, per=sites)
 
 
-def _host_time(label, step, per=1):
-    for _ in range(20):
+def _wall_time(step, warmup: int, reps: int) -> float:
+    """Seconds per call of ``step``, synchronised, after ``warmup`` calls."""
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(200):
+    for _ in range(reps):
         step()
     torch.cuda.synchronize()
-    print(f"  host time fwd+bwd {label:>34}: {(time.perf_counter() - t0) / 200 / per * 1e6:7.0f} us", flush=True)
+    return (time.perf_counter() - t0) / reps
+
+
+def _host_time(label, step, per=1):
+    print(f"  host time fwd+bwd {label:>34}: {_wall_time(step, 20, 200) / per * 1e6:7.0f} us", flush=True)
 
 
 def host_profile():
@@ -278,14 +283,7 @@ def model_profile():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        print(f"## {arm}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms per step (wall)", flush=True)
+        print(f"## {arm}: {_wall_time(step, 3, 5) * 1e3:.2f} ms per step (wall)", flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()

@@ -33,36 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from benchmark_mixing import MLP, Attention  # noqa: E402
+
 ARMS = ("plain", "mhc", "mhc-chain")
 SEQ = 2048
 # NVLink multicast stays off (shared machines): every process started here inherits these
 SAFE_ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-
-
-class Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.norm = nn.RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, h):
-        B, T, D = h.shape
-        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, D // self.heads).unbind(dim=2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.RMSNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(self.norm(h))))
 
 
 class Layer(nn.Module):
