@@ -253,21 +253,6 @@ def sweep_mix_bwd():
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
 
-def _capture(module, name):
-    """Replace ``module.name`` (a jitted kernel) by a proxy that records the compiled kernel."""
-    jit = getattr(module, name)
-    captured = {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                captured["k"] = jit[grid](*args, **kwargs)
-            return launch
-
-    setattr(module, name, Capture())
-    return jit, captured
-
-
 def model_profile():
     from torch.profiler import ProfilerActivity, profile
 

@@ -123,33 +123,36 @@ def test_one_seam_op_between_dynamic_mhc_sites(monkeypatch):
     assert len(seams) == 2  # mhc -> mhc and static-mhc -> mhc; mhc -> static-mhc is composed
 
 
-def test_low_precision_three_way():
-    """bf16: the streams, their gradient and every ``phi`` meet the three-way rule (error against
-    fp64 at most twice the reference path's own bf16 error); the biases' and gates' gradients,
-    single sums over every token whose error is one draw of many roundings (docs/mixing.md,
-    "Accuracy"; the single-layer tests judge them over several draws), are as accurate chained as
-    unchained."""
-    sites = make_chain(["mhc", "mhc", "mhc"], 40, 4, "triton", seed=3)
-    x = torch.randn(3, 30, 4, 40, device=DEVICE)
-    grad = torch.randn_like(x)
+def bf16_failures(sites, x, grad):
+    """Keys whose bf16 chained error breaks the rule: the streams, their gradient and every tensor
+    parameter's gradient meet the three-way rule (error against fp64 at most twice the reference
+    path's bf16 error); the biases' and gates' gradients, single sums over every token whose error
+    is one draw of many roundings (docs/mixing.md, "Accuracy"; the single-layer tests judge them
+    over several draws), are as accurate chained as unchained. ``{key: (chained, reference,
+    unchained)}`` relative errors."""
     exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), grad.double(), chained=False)
     low_ref = same_chain(sites, "torch")
     for site in sites + low_ref:
         site.branch.to(torch.bfloat16)
-    want = run_chain(low_ref, x.bfloat16(), grad.bfloat16(), chained=False)
-    got = run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=True)
-    unchained = run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=False)
-
-    def error(result, k):
-        return ((result[k].double() - exact[k]).norm() / exact[k].norm()).item()
-
+    results = [run_chain(low_ref, x.bfloat16(), grad.bfloat16(), chained=False),
+               run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=True),
+               run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=False)]
+    failed = {}
     for k in exact:
         if ".branch." in k:
             continue
-        if k in ("out", "x") or k.endswith("phi"):
-            assert error(got, k) <= 2 * error(want, k) + 1e-6, (k, error(got, k), error(want, k))
-        else:
-            assert error(got, k) <= 1.25 * error(unchained, k) + 1e-3, (k, error(got, k), error(unchained, k))
+        err_ref, err, err_un = (((r[k].double() - exact[k]).norm() / exact[k].norm()).item() for r in results)
+        sum_over_tokens = any(k.endswith(name) for name in ("a_pre", "a_post", "a_res", "b_pre", "b_post", "b_res"))
+        if err > 1.25 * err_un + 1e-3 or (not sum_over_tokens and err > 2 * err_ref + 1e-6):
+            failed[k] = (err, err_ref, err_un)
+    return failed
+
+
+def test_low_precision_three_way():
+    sites = make_chain(["mhc", "mhc", "mhc"], 40, 4, "triton", seed=3)
+    x = torch.randn(3, 30, 4, 40, device=DEVICE)
+    failed = bf16_failures(sites, x, torch.randn_like(x))
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
