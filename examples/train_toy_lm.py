@@ -189,7 +189,7 @@ class TinyGPT(nn.Module):
     doubly stochastic). The head and loss are one :class:`LinearCrossEntropy`. With
     ``checkpoint_blocks`` every block's activations are recomputed in the backward. With ``chain``
     (and without checkpointing) the hyper-connections hand over to one another,
-    ``finish(y, next=...)``: on a GPU the seam kernels run between consecutive mHC sites. FSDP2
+    ``finish(y, next=...)``: on a GPU one seam op joins consecutive mHC sites. FSDP2
     shards each hyper-connection as its own unit and gathers its parameters when the module is
     called, so sharded runs call every site as a module (``chain=False``)."""
 

@@ -189,7 +189,7 @@ class FusedFinish:
             out = streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape)
             return _returned(rest, *next.split(out))
         x_in, _, h_post, h_res, x_pass = mhc_seam(
-            self.x_pass, y_flat, self.h_post.expand(T, n), self.h_res.expand(T, n, n),
-            next.source.fused_parameters(next), next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
+            self.x_pass, y_flat, self.h_post, self.h_res, next.source.fused_parameters(next),
+            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
         )
         return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, shape))

@@ -1,5 +1,4 @@
-"""Chained sites and DeepSeek-V4's epsilon on a CUDA GPU: the seam and eps kernels at full sizes."""
-
+"""Chained sites and DeepSeek-V4's epsilon on a CUDA GPU: the seam op and the eps kernels at full sizes."""
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ def _is_sum_over_tokens(k):
 
 @pytest.mark.parametrize("dim, n, hc_eps", [(1000, 4, 0.0), (1536, 8, 0.0), (4096, 4, 1e-6), (96, 2, 0.0)])
 def test_chain_fp32_three_way(dim, n, hc_eps):
-    """fp32, three sites chained on the seam kernels (n = 8: composed): error against fp64 at most
+    """fp32, three sites chained through seam ops (n = 8 too): error against fp64 at most
     twice the reference path's fp32 error for the output and every tensor's gradient. The sums
     over tokens carry the tensor cores' tf32x3 rounding amplified by their cancellation, which
     moves their error by several times from one draw to the next in both fused paths: over four

@@ -11,7 +11,7 @@ the model's mHC modules for subclasses whose ``forward`` runs ``mhc`` instead:
   (``HyperConnection(hc_eps=...)``);
 - ``DeepseekV4DecoderLayer.forward``, whose body does the mixing, splits the streams at
   ``attn_hc``, hands over from the attention site to the MLP site with ``finish(y, next=ffn_hc)``
-  (the seam kernel on the fused path) and finishes the MLP site;
+  (one seam op on the fused path) and finishes the MLP site;
 - ``DeepseekV4HyperHead`` (``hc_head``) becomes :func:`mhc.mixing.stream_collapse`.
 
 Parameters stay the same tensors under the same names: state dicts, optimizers, FSDP2 wrapping per
