@@ -12,9 +12,9 @@ as ``site.source``:
 
 Each source computes the coefficients with PyTorch ops (:meth:`reference`, the reference path and
 the oracle of the tests) and starts a site on the fused path (:meth:`fused_start`: the branch
-input and the coefficients for flattened tokens). Only dynamic mHC has fused coefficient kernels
-(and so a fused seam, :mod:`mhc.sites`); the other sources feed PyTorch coefficients to the fused
-mixing kernels.
+input, the coefficients per flattened token and the streams to pass on). Only dynamic mHC has
+fused coefficient kernels (and so a fused seam, :mod:`mhc.sites`); the other sources feed
+PyTorch coefficients to the fused mixing kernels.
 
 Axis legend (einops): ``...`` leading dims, ``s`` source stream, ``t`` target stream, ``d`` channels.
 Coefficients are fp32 whatever the activation dtype, fp64 when the activations or the parameters
@@ -22,6 +22,8 @@ are fp64 (so that a ``.double()`` layer is the exact oracle of the fused kernels
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from einops import rearrange
@@ -71,9 +73,8 @@ class DynamicMHC:
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
-    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
-        return mhc_pre_mix(x_flat, self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps,
-                           site.hc_eps)
+    def fused_start(self, site, x: torch.Tensor):
+        return mhc_pre_mix(x, self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps, site.hc_eps)
 
     def fused_parameters(self, site):
         """``site.mixing_parameters()`` in fp32, as the kernels take them."""
@@ -99,10 +100,10 @@ class DynamicHC:
         pre, post, res = self.logits(site, x)
         return b_pre.to(dtype) + pre, b_post.to(dtype) + post, b_res.to(dtype) + res
 
-    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
-        T, n = x_flat.shape[:2]
+    def fused_start(self, site, x: torch.Tensor):
+        T = math.prod(x.shape[:-2])
         h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in self.reference(site, x))
-        x_in, x_pass = pre_mix(x_flat, h_pre)
+        x_in, x_pass = pre_mix(x, h_pre)
         return x_in, h_pre, h_post, h_res, x_pass
 
 
@@ -130,12 +131,12 @@ class Static:
         h_pre, h_post, h_res = self.coefficients(site)
         return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
 
-    def fused_start(self, site, x_flat: torch.Tensor, x: torch.Tensor):
+    def fused_start(self, site, x: torch.Tensor):
         # one set of coefficients, broadcast over tokens (token stride 0)
-        T, n = x_flat.shape[:2]
+        T, n = math.prod(x.shape[:-2]), x.shape[-2]
         h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))
         h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
-        x_in, x_pass = pre_mix(x_flat, h_pre)
+        x_in, x_pass = pre_mix(x, h_pre)
         return x_in, h_pre, h_post, h_res, x_pass
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from mhc.coefficients import coefficient_dtype, rms_inverse, source_for
 from mhc.layer import check_settings, sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
-from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend, streams_of
+from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend
 
 __all__ = [
     "HyperConnection",
@@ -127,8 +127,7 @@ def stream_collapse(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torc
     check_streams(x, n, dim, "x")
     h = collapse_weights(x, phi, a, b, rms_eps, eps)
     if layer_backend(x, n, backend) == "triton":
-        x_in, _ = pre_mix(x.reshape(-1, n, dim), h.reshape(-1, n).float())
-        return x_in.view(*x.shape[:-2], dim)
+        return pre_mix(x, h.reshape(-1, n).float())[0]
     return (h.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
 
 
@@ -384,10 +383,9 @@ class LaneMixer(nn.Module):
         p = self.matrix(x)
         n = self.n_lanes
         if n <= MAX_FUSED_STREAMS and layer_backend(x, n, self.backend) == "triton":
-            x_flat = x.reshape(-1, n, x.shape[-1])
-            T = x_flat.shape[0]
+            T = math.prod(x.shape[:-2])
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
-            return streams_of(post_mix(x_flat, None, None, p), x.shape)
+            return post_mix(x, None, None, p)
         return p.to(x.dtype) @ x  # [n, n] or [..., n, n] @ [..., n, dim]; matmul returns no view
 
     def extra_repr(self) -> str:

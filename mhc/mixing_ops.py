@@ -4,16 +4,18 @@ kernels, their autograd Functions and the functionals that :mod:`mhc.sites` call
 
 Read top to bottom: ops (what ``torch.compile`` traces) -> Functions -> functionals.
 
-Every Function works on flattened tokens: streams ``x [T, n, d]``, branch tensors ``[T, d]``,
-coefficients fp32. The Functions that start a site (pre-mix, mHC coefficients, seam) return the
-streams they mix as their last output (``x_pass``), which the site's post-mix (or the next seam)
-then consumes: the post-mix's gradient of the streams arrives at the starting Function's backward
-as the gradient of ``x_pass`` and is added there in the same pass that writes its own gradient,
-so the streams' gradient is written once per site.
+Every Function takes streams ``x [..., n, d]`` and branch tensors ``[..., d]`` with any leading
+dims, and per-token fp32 coefficients flattened over them (``[T, n]``, ``[T, n, n]``). The
+Functions that start a site (pre-mix, mHC coefficients, seam) return the streams they mix as
+their last output (``x_pass``), which the site's post-mix (or the next seam) then consumes: the
+post-mix's gradient of the streams arrives at the starting Function's backward as the gradient of
+``x_pass`` and is added there in the same pass that writes its own gradient, so the streams'
+gradient is written once per site.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -40,7 +42,7 @@ def _stream_mix_fwd_op(
 
 @_stream_mix_fwd_op.register_fake
 def _(x, w, y, b):
-    return x.new_empty((x.shape[0], w.shape[1], x.shape[2]))
+    return x.new_empty((*x.shape[:-2], w.shape[1], x.shape[-1]))
 
 
 @torch.library.custom_op("mhc::stream_mix_bwd", mutates_args=())
@@ -54,8 +56,7 @@ def _stream_mix_bwd_op(
 
 @_stream_mix_bwd_op.register_fake
 def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
-    T, n, _ = x.shape
-    n_out = w.shape[1]
+    T, n_out, n = w.shape
     f32 = dict(dtype=torch.float32)
     return (
         torch.empty_like(x) if need_grad_x else x.new_empty((0,)),
@@ -66,11 +67,12 @@ def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
 
 
 def _coefficient_outputs_fake(x):
-    """Fake ``(x_in, p, r, h_pre, h_post, z_res, h_res)`` of a coefficient forward on ``x [T, n, d]``."""
-    T, n, d = x.shape
+    """Fake ``(x_in, p, r, h_pre, h_post, z_res, h_res)`` of a coefficient forward on ``x [..., n, d]``."""
+    *lead, n, d = x.shape
+    T = math.prod(lead)
     f32 = dict(dtype=torch.float32)
     return (
-        x.new_empty((T, d)), x.new_empty((T, 2 * n + n * n), **f32), x.new_empty((T,), **f32),
+        x.new_empty((*lead, d)), x.new_empty((T, 2 * n + n * n), **f32), x.new_empty((T,), **f32),
         x.new_empty((T, n), **f32), x.new_empty((T, n), **f32),
         x.new_empty((T, n, n), **f32), x.new_empty((T, n, n), **f32),
     )
@@ -131,42 +133,54 @@ def _launchers():
 
 
 # ------------------------------------------------------------------------------ Functions
+# Each Function takes the streams with their leading dims and flattens inside, where autograd
+# records nothing (no view nodes around the ops), and returns tensors that are not views (an
+# output that is a view of a tensor made inside a Function cannot be modified in place).
+# ``set_materialize_grads(False)``: an unused output's gradient arrives as ``None`` instead of a
+# tensor of zeros made and filled for nothing.
+
+
+def _tokens_of(x: torch.Tensor, d: int) -> tuple:
+    """The leading dims of streams ``x [..., n, d]`` followed by ``d``: the shape of a branch tensor."""
+    return (*x.shape[:-2], d)
 
 
 class PreMixFunction(torch.autograd.Function):
-    """``x_in = sum_j h_pre[:, j] x[:, j]`` for given coefficients. ``(x [T, n, d], h_pre [T, n])``
-    -> ``(x_in [T, d], x_pass = x)``."""
+    """``x_in = sum_j h_pre[:, j] x[..., j, :]`` for given coefficients. ``(x [..., n, d], h_pre [T, n])``
+    -> ``(x_in [..., d], x_pass = x)``."""
 
     @staticmethod
     def forward(ctx, x, h_pre):
-        T, n, d = x.shape
+        ctx.set_materialize_grads(False)
         x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
         ctx.save_for_backward(x, h_pre)
-        return x_in.view(T, d), x
+        return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_x_pass):
-        x, h_pre = ctx.saved_tensors
-        T, n, d = x.shape
         if grad_x_in is None:
-            grad_x_in = x.new_zeros((T, d))
+            return grad_x_pass, None
+        x, h_pre = ctx.saved_tensors
         dx, _, dh_pre, _ = _launchers().stream_mix_bwd(
-            x, h_pre[:, None, :], None, None, grad_x_in[:, None, :], grad_x_pass, True
+            x, h_pre[:, None, :], None, None, grad_x_in.unsqueeze(-2), grad_x_pass, True
         )
-        return dx, dh_pre.view(T, n)
+        return dx, dh_pre.view(h_pre.shape)
 
 
 class PostMixFunction(torch.autograd.Function):
-    """``out[:, i] = sum_j h_res[:, i, j] x[:, j] + h_post[:, i] y``.
-    ``(x [T, n, d], y [T, d] or None, h_post [T, n] or None, h_res [T, n, n])`` -> ``[T, n, d]``."""
+    """``out[..., i, :] = sum_j h_res[:, i, j] x[..., j, :] + h_post[:, i] y``.
+    ``(x [..., n, d], y [..., d] or None, h_post [T, n] or None, h_res [T, n, n])`` -> ``[..., n, d]``."""
 
     @staticmethod
     def forward(ctx, x, y, h_post, h_res):
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, y, h_post, h_res)
         return _launchers().stream_mix_fwd(x, h_res, y, h_post)
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None
         x, y, h_post, h_res = ctx.saved_tensors
         dx, dy, dh_res, dh_post = _launchers().stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
         return dx, dy, dh_post, dh_res
@@ -178,9 +192,13 @@ def _save_coefficients(ctx, x, params, outputs, settings, *extra):
     then ``extra``."""
     p, r, h_pre, h_post, z_res, h_res = outputs
     sinkhorn_saved = z_res if settings[1] == "exact" else h_res
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, *params[:4], p, r, h_pre, h_post, sinkhorn_saved, *extra)
     ctx.settings = settings
-    ctx.gate_shapes = tuple(a.shape for a in params[1:4])
+    # the parameters' gradients as one split of the kernels' packed [dbias | dgates]
+    n = x.shape[-2]
+    ctx.bias_gate_split = [n, n, n * n, 1, 1, 1]
+    ctx.bias_gate_shapes = tuple(t.shape for t in params[4:] + params[1:4])
 
 
 def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
@@ -189,32 +207,30 @@ def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
     (activation checkpointing allows one read)."""
     x, h_post, sinkhorn_saved = saved[0], saved[8], saved[9]
     iters, backward, _, hc_eps = ctx.settings
-    T, n, d = x.shape
     if grad_x_in is None:
-        grad_x_in = x.new_zeros((T, d))
+        grad_x_in = x.new_zeros(_tokens_of(x, x.shape[-1]))
     if grad_h_post is None:
-        grad_h_post = h_post.new_zeros((T, n))
+        grad_h_post = torch.zeros_like(h_post)
     if grad_h_res is None:
-        grad_h_res = h_post.new_zeros((T, n, n))
+        grad_h_res = torch.zeros_like(sinkhorn_saved)
     dz_res = sinkhorn_bwd_launch(sinkhorn_saved, grad_h_res.contiguous(), iters, backward, hc_eps)
     return dz_res, grad_x_in, grad_h_post
 
 
-def _parameter_grads(ctx, dphi, dbias_gate, n):
+def _parameter_grads(ctx, dphi, dbias_gate):
     """The gradients of ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` from the kernels'
-    ``dphi`` and packed ``[b_pre | b_post | b_res | a_pre, a_post, a_res]``."""
-    m = 2 * n + n * n
-    db, da = dbias_gate[:m], dbias_gate[m:]
-    s_pre, s_post, s_res = ctx.gate_shapes
-    return (dphi, da[0:1].view(s_pre), da[1:2].view(s_post), da[2:3].view(s_res),
-            db[:n], db[n:2 * n], db[2 * n:].view(n, n))
+    ``dphi`` and packed ``[b_pre | b_post | b_res | a_pre, a_post, a_res]``: one split, and a view
+    where a parameter's shape is not the split's."""
+    grads = [g if g.shape == shape else g.view(shape)
+             for g, shape in zip(dbias_gate.split_with_sizes(ctx.bias_gate_split), ctx.bias_gate_shapes)]
+    return (dphi, *grads[3:], *grads[:3])
 
 
 class MHCPreMixFunction(torch.autograd.Function):
     """Dynamic mHC coefficients and the pre-mix in one op (the kernels of ``mhc_coefficients``).
 
-    ``(x [T, n, d], phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``
-    -> ``(x_in [T, d], h_pre [T, n], h_post [T, n], h_res [T, n, n], x_pass = x)``.
+    ``(x [..., n, d], phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``
+    -> ``(x_in [..., d], h_pre [T, n], h_post [T, n], h_res [T, n, n], x_pass = x)``.
     Saved: ``x`` and per-token fp32 values (``p``, ``r``, coefficients, Sinkhorn logits).
     """
 
@@ -234,7 +250,7 @@ class MHCPreMixFunction(torch.autograd.Function):
             x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, dphi, dbias_gate, x.shape[1]), None, None, None, None)
+        return (dx, *_parameter_grads(ctx, dphi, dbias_gate), None, None, None, None)
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -243,11 +259,11 @@ class MHCSeamFunction(torch.autograd.Function):
     post-mix and coefficient kernels. A single kernel for both was built and measured slower on
     the H100 (``docs/mixing.md``, "The seam").
 
-    ``(x [T, n, d], y [T, d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix inputs)
-    and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site ``l+1``'s
-    ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for the streams
-    ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient forward
-    would save apart.
+    ``(x [..., n, d], y [..., d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix
+    inputs) and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site
+    ``l+1``'s ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for
+    the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
+    forward would save apart.
     """
 
     @staticmethod
@@ -271,26 +287,26 @@ class MHCSeamFunction(torch.autograd.Function):
             grad_x_pass, ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_gate, x.shape[1]),
-                None, None, None, None)
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_gate), None, None, None, None)
 
 
 # ------------------------------------------------------------------------------ functionals
 
 
 def pre_mix(x: torch.Tensor, h_pre: torch.Tensor):
-    """``(x_in [T, d], x_pass [T, n, d])`` from streams ``x [T, n, d]`` and fp32 ``h_pre [T, n]``
-    (a token stride of 0 broadcasts one set). Feed ``x_pass`` to :func:`post_mix`."""
+    """``(x_in [..., d], x_pass [..., n, d])`` from streams ``x [..., n, d]`` and fp32 ``h_pre [T, n]``
+    (``T`` tokens; a token stride of 0 broadcasts one set). Feed ``x_pass`` to :func:`post_mix`."""
     return PreMixFunction.apply(x, h_pre)
 
 
 def post_mix(x: torch.Tensor, y: torch.Tensor | None, h_post: torch.Tensor | None, h_res: torch.Tensor):
-    """``out [T, n, d] = h_res @ x + h_post (x) y``, fp32 coefficients; ``y = h_post = None`` mixes only."""
+    """``out [..., n, d] = h_res @ x + h_post (x) y`` for streams ``x [..., n, d]``, ``y [..., d]`` and
+    fp32 coefficients ``h_post [T, n]``, ``h_res [T, n, n]``; ``y = h_post = None`` mixes only."""
     return PostMixFunction.apply(x, y, h_post, h_res)
 
 
 def mhc_pre_mix(x, params, iters: int, backward: str, eps: float, hc_eps: float = 0.0):
-    """Dynamic mHC coefficients and pre-mix of ``x [T, n, d]``: ``(x_in, h_pre, h_post, h_res, x_pass)``.
+    """Dynamic mHC coefficients and pre-mix of ``x [..., n, d]``: ``(x_in, h_pre, h_post, h_res, x_pass)``.
 
     ``params``: fp32 ``(phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``;
     see :class:`MHCPreMixFunction`."""

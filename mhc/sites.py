@@ -60,13 +60,6 @@ def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     return backend
 
 
-def streams_of(out_flat: torch.Tensor, shape) -> torch.Tensor:
-    """The fused kernels' ``[T, n, dim]`` output as ``shape``, not recorded as a view (as aten's
-    matmul returns its reshaped product): the buffer has no other owner, and FSDP2 warns about
-    modules that return views."""
-    return torch.ops.aten._unsafe_view(out_flat, shape)
-
-
 def branch_output(out, shape):
     """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
     tensor mixed into the streams (attention modules returning weights or a cache)."""
@@ -109,7 +102,7 @@ class Site:
         check_streams(x, self.n_streams, self.dim, "x")
         n, lead = self.n_streams, x.shape[:-2]
         if self.source is not None and self.source.fused_coefficients and layer_backend(x, n, self.backend) == "triton":
-            _, h_pre, h_post, h_res, _ = self.source.fused_start(self, x.reshape(-1, n, self.dim), x)
+            _, h_pre, h_post, h_res, _ = self.source.fused_start(self, x)
             return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
         return self.source.reference(self, x)
 
@@ -124,19 +117,18 @@ class Site:
         """
         check_streams(x, self.n_streams, self.dim, "x")
         if layer_backend(x, self.n_streams, self.backend) == "triton":
-            n, dim = self.n_streams, self.dim
-            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x.reshape(-1, n, dim), x)
-            return self._fused_finish(x_in, h_post, h_res, x_pass, x.shape)
+            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x)
+            return self._fused_finish(x_in, h_post, h_res, x_pass)
         h_pre, h_post, h_res = self.source.reference(self, x)
         self._record(h_res)
         x_in = einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
         return x_in, ReferenceFinish(self, x, h_post, h_res)
 
-    def _fused_finish(self, x_in, h_post, h_res, x_pass, shape):
-        lead, n = shape[:-2], self.n_streams
-        T = x_pass.shape[0]
-        self._record(h_res.expand(T, n, n).reshape(*lead, n, n))
-        return x_in.view(*lead, self.dim), FusedFinish(self, x_pass, h_post, h_res, shape)
+    def _fused_finish(self, x_in, h_post, h_res, x_pass):
+        if self._recorder is not None:
+            n = self.n_streams
+            self._record(h_res.expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
+        return x_in, FusedFinish(self, x_pass, h_post, h_res)
 
     def _record(self, h_res: torch.Tensor) -> None:
         if self._recorder is not None:
@@ -170,26 +162,23 @@ class ReferenceFinish:
 
 
 class FusedFinish:
-    """``finish`` of the fused path, on flattened tokens ``[T, n, dim]``: the post-mix, or with
-    ``next`` the seam op when the next site's coefficients are dynamic mHC."""
+    """``finish`` of the fused path: the post-mix, or with ``next`` the seam op when the next
+    site's coefficients are dynamic mHC. Streams keep their leading dims; the coefficients are per
+    flattened token."""
 
-    def __init__(self, site: Site, x_pass, h_post, h_res, shape):
-        self.site, self.x_pass, self.h_post, self.h_res, self.shape = site, x_pass, h_post, h_res, shape
+    def __init__(self, site: Site, x_pass, h_post, h_res):
+        self.site, self.x_pass, self.h_post, self.h_res = site, x_pass, h_post, h_res
 
     def __call__(self, y, next: Site | None = None):
-        site, shape = self.site, self.shape
-        y, rest = branch_output(y, shape[:-2] + shape[-1:])
-        T, dim = self.x_pass.shape[0], shape[-1]
-        y_flat = y.reshape(T, dim)
+        site, x = self.site, self.x_pass
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:])
         if next is None:
-            return _returned(rest, streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape))
+            return _returned(rest, post_mix(x, y, self.h_post, self.h_res))
         site._check_next(next)
-        n = site.n_streams
-        if not (next.source.fused_coefficients and layer_backend(self.x_pass, n, next.backend) == "triton"):
-            out = streams_of(post_mix(self.x_pass, y_flat, self.h_post, self.h_res), shape)
-            return _returned(rest, *next.split(out))
+        if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
+            return _returned(rest, *next.split(post_mix(x, y, self.h_post, self.h_res)))
         x_in, _, h_post, h_res, x_pass = mhc_seam(
-            self.x_pass, y_flat, self.h_post, self.h_res, next.source.fused_parameters(next),
+            x, y, self.h_post, self.h_res, next.source.fused_parameters(next),
             next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
         )
-        return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, shape))
+        return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass))

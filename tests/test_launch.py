@@ -10,13 +10,16 @@ from tests.test_mixing_chain import make_chain, run_chain
 
 
 def test_key_separates_what_triton_specializes_on():
-    key = _launch._arg_key
+    def key(arg):
+        return _launch._specialization((arg,))
+
     base = torch.empty(64)
     assert key(base) != key(base[1:])  # 16-byte aligned or not
     assert key(base) != key(base.double())
     assert key(1) != key(2) and key(16) != key(17) and key(2) == key(3)
     assert key(2**31) != key(2**31 - 2)  # 32-bit range
-    assert key(0.5) == key(2.0) and key(True) != key(False)
+    assert key(0.5) == key(2.0) and key(True) != key(False) and key(True) != key(1)
+    assert _launch._specialization((base, 1)) != _launch._specialization((1, base))  # positions count
 
 
 @pytest.mark.gpu

@@ -25,17 +25,21 @@ from triton import knobs
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
 
-_INT32 = range(-(2**31), 2**31)
+_Tensor = torch.Tensor
 
 
-def _arg_key(arg):
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool):
-        return arg
-    if isinstance(arg, int):
-        return arg in _INT32, arg == 1, arg % 16 == 0
-    return type(arg)
+def _specialization(args) -> tuple:
+    """What Triton specializes ``args`` on, flattened into one tuple (one pass, no call per
+    argument: this runs on every launch)."""
+    key = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            key += (a.dtype, a.get_device(), a.data_ptr() & 15 == 0)
+        elif type(a) is int:
+            key += (-(2**31) <= a < 2**31, a == 1, a & 15 == 0)
+        else:
+            key.append(a if type(a) is bool else type(a))
+    return tuple(key)
 
 
 class _Cached:
@@ -55,7 +59,7 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
     if not FAST:
         kernel[grid](*args, **meta)
         return
-    key = (kernel, meta_key, tuple(map(_arg_key, args)))
+    key = (kernel, meta_key, _specialization(args))
     cached = _CACHE.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
@@ -64,7 +68,7 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
         return
     compiled = cached.kernel
     full = (*args, *cached.constexprs)
-    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    stream = torch._C._cuda_getCurrentRawStream(args[0].get_device())
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,

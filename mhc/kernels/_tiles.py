@@ -16,6 +16,12 @@ MAX_N = 64
 TILED_MIN_N = 7
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host (``triton.cdiv`` is a constexpr function since Triton 3.5: a few
+    microseconds per call from host code, on every launch)."""
+    return -(-a // b)
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 

@@ -35,13 +35,14 @@ Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 """
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from mhc.kernels._launch import launch
-from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, next_pow2
+from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
 from mhc.kernels.stream_mix import MAX_STREAMS
@@ -396,26 +397,26 @@ def _projection_meta(n: int, d: int, accumulate: bool, split_bf16: bool, precisi
 
 
 def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
-    """Coefficients and pre-mix of streams ``x [T, N, D]``.
+    """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens: the leading dims' product).
 
-    Returns ``(x_in [T, D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
+    Returns ``(x_in [..., D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
     ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
     RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, gates (one value each) and biases
     ``[N]``, ``[N]``, ``[N, N]`` are fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid + hc_eps``
     and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
     """
-    T, n, d = x.shape
-    K, M = n * d, 2 * n + n * n
+    *lead, n, d = x.shape
+    T, K, M = math.prod(lead), n * d, 2 * n + n * n
     assert phi.shape == (K, M) and 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
-    x_in = torch.empty((T, d), dtype=x.dtype, device=x.device)
+    x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T == 0:
         return x_in, p, r, h_pre, h_post, z_res, h_res
     block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
     args = (x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
             x_in, p, r, h_pre, h_post, z_res, h_res, T, d, eps, hc_eps)
-    launch(coefficients_fwd_kernel, (triton.cdiv(T, block_t),), args, meta, key)
+    launch(coefficients_fwd_kernel, (cdiv(T, block_t),), args, meta, key)
     return x_in, p, r, h_pre, h_post, z_res, h_res
 
 
@@ -429,13 +430,13 @@ def per_token_outputs(T: int, n: int, device):
 def coefficient_grad(x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
     """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
     the projection's gradient, the RMS term and per-program sums for the biases and gates."""
-    T, n, d = x.shape
-    M = 2 * n + n * n
+    n, d = x.shape[-2:]
+    T, M = math.prod(x.shape[:-2]), 2 * n + n * n
     f32 = dict(dtype=torch.float32, device=x.device)
     g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
     has_dh_pre = dh_pre is not None
     block_t, meta, key = _grad_meta(n, d, has_dh_pre)
-    grid_t = triton.cdiv(T, block_t)
+    grid_t = cdiv(T, block_t)
     partial_bias = torch.empty((grid_t, M + 3), **f32)
     args = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
             dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias, T, d, hc_eps)
@@ -447,16 +448,17 @@ def coefficients_bwd(
     x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
     hc_eps: float = 0.0,
 ):
-    """Backward of the coefficients and the pre-mix: ``(dx [T, N, D], dphi [K, M], dbias_gate [M + 3])``.
+    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_gate [M + 3])``, ``dx``
+    shaped like ``x [..., N, D]``.
 
     ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
-    coefficients' gradients, ``grad_x_in [T, D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
+    coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
     ``None``) another gradient of ``h_pre``. ``dbias_gate`` holds the gradients of the biases
     ``[b_pre | b_post | b_res]`` then of the gates ``a_pre, a_post, a_res``. ``dx = h_pre (x) grad_x_in +
     d(projection)/dx + grad_x_acc`` (when given), written once.
     """
-    T, n, d = x.shape
-    K, M = n * d, 2 * n + n * n
+    n, d = x.shape[-2:]
+    T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
     x = x.contiguous()
     f32 = dict(dtype=torch.float32, device=x.device)
     if T == 0:
@@ -468,7 +470,7 @@ def coefficients_bwd(
     dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
     block_t, block_d, waves, meta, key = _projection_meta(n, d, accumulate, _split_bf16(x), dx_precision(x, n))
-    chunks = n * triton.cdiv(d, block_d)
+    chunks = n * cdiv(d, block_d)
     splits = token_splits(T, block_t, waves, chunks, x.device)
     partial_phi = torch.empty((splits, K, M), **f32)
     args = (x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
@@ -479,7 +481,7 @@ def coefficients_bwd(
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device) -> int:
     """Token splits of a ``(chunks, splits)`` grid: about ``waves`` programs per SM."""
-    return max(1, min(triton.cdiv(T, block_t), round(waves * sm_count(device) / chunks)))
+    return max(1, min(cdiv(T, block_t), round(waves * sm_count(device) / chunks)))
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
-    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, launch_config,
+    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, cdiv, launch_config,
     next_pow2, reciprocal,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_bwd, sinkhorn_tiled_fwd
@@ -235,7 +235,7 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     if T == 0:
         return out
     block_t, meta, key = _fwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_fwd_kernel, (triton.cdiv(T, block_t),), (logits, out, T), meta, key)
+    launch(sinkhorn_fwd_kernel, (cdiv(T, block_t),), (logits, out, T), meta, key)
     return out
 
 
@@ -273,5 +273,5 @@ def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> to
     if T == 0:
         return grad_in
     block_t, meta, key = _bwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_bwd_kernel, (triton.cdiv(T, block_t),), (logits, grad_out, grad_in, T), meta, key)
+    launch(sinkhorn_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out, grad_in, T), meta, key)
     return grad_in

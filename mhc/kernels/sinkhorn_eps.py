@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._launch import launch
-from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, launch_config, reciprocal
+from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, launch_config, reciprocal
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
 VALUES_PER_THREAD = 16
@@ -185,7 +185,7 @@ def _meta(n: int, iters: int, fp64: bool):
 
 def _launch(kernel, tensors, T: int, n: int, iters: int, eps: float) -> None:
     block_t, meta, key = _meta(n, iters, tensors[0].dtype == torch.float64)
-    launch(kernel, (triton.cdiv(T, block_t),), (*tensors, T, eps), meta, key)
+    launch(kernel, (cdiv(T, block_t),), (*tensors, T, eps), meta, key)
 
 
 def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -6,8 +6,9 @@ One kernel pair serves every mix of a hyper-connection:
 - post + residual merge, ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``: ``N_OUT = N``;
 - a lane mixer, ``out[i] = sum_j P[i, j] x[j]``: ``N_OUT = N``, no ``y``.
 
-Streams ``x`` are ``[T, N, D]`` in the activation dtype, ``y`` is ``[T, D]``, the coefficients are
-fp32 with a token stride that may be 0 (static coefficients, one set for every token). Arithmetic
+Streams ``x`` are ``[T, N, D]`` in the activation dtype (the launchers take any leading dims
+``[..., N, D]``, ``T`` their product), ``y`` is ``[T, D]``, the coefficients are fp32 with a
+token stride that may be 0 (static coefficients, one set for every token). Arithmetic
 is fp32; every stream tile is read once and every output tile written once.
 
 Up to ``N = 8`` every stream is its own tile and every coefficient its own unrolled product
@@ -22,13 +23,14 @@ The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (
 """
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from mhc.kernels._launch import launch
-from mhc.kernels._tiles import next_pow2
+from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
 
@@ -283,26 +285,27 @@ def _per_token(c: torch.Tensor | None, per_token: int):
 def stream_mix_fwd(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None = None, b: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x [T, N, D]``, ``w [T, N_OUT, N]`` fp32, ``y [T, D]``, ``b [T, N_OUT]`` fp32 -> ``[T, N_OUT, D]``.
+    """``x [..., N, D]``, ``w [T, N_OUT, N]`` fp32, ``y [..., D]``, ``b [T, N_OUT]`` fp32 ->
+    ``[..., N_OUT, D]`` (``T`` the number of tokens, the product of the leading dims).
 
     Output in ``x``'s dtype. ``w`` and ``b`` may have token stride 0; ``x`` and ``y`` are made
     contiguous.
     """
-    T, n, d = x.shape
-    n_out = w.shape[1]
+    *lead, n, d = x.shape
+    T, n_out = math.prod(lead), w.shape[1]
     assert w.shape == (T, n_out, n) and 1 <= n <= MAX_STREAMS and (y is None) == (b is None)
     x = x.contiguous()
-    out = torch.empty((T, n_out, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((*lead, n_out, d), dtype=x.dtype, device=x.device)
     if T == 0 or d == 0:
         return out
     has_y = y is not None
     if has_y:
-        assert y.shape == (T, d) and b.shape == (T, n_out)
+        assert y.numel() == T * d and b.shape == (T, n_out)
         y = y.contiguous()
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
     block_t, block_d, meta, key = _fwd_meta(n, n_out, d, has_y)
-    launch(stream_mix_fwd_kernel, (triton.cdiv(T, block_t), triton.cdiv(d, block_d)),
+    launch(stream_mix_fwd_kernel, (cdiv(T, block_t), cdiv(d, block_d)),
            (x, y if has_y else x, w, b if has_y else w, out, T, d, stride_w, stride_b), meta, key)
     return out
 
@@ -313,13 +316,14 @@ def stream_mix_bwd(
 ):
     """Backward of :func:`stream_mix_fwd`: ``(dx, dy, dw, db)``.
 
-    ``dx [T, N, D]`` in ``x``'s dtype (``+ grad_x_acc`` when given; ``None`` unless
-    ``need_grad_x``), ``dy [T, D]`` in ``y``'s dtype, ``dw [T, N_OUT, N]`` and ``db [T, N_OUT]``
-    per token in fp32 (``None`` without ``y``).
+    ``dx`` shaped like ``x`` in ``x``'s dtype (``+ grad_x_acc`` when given; ``None`` unless
+    ``need_grad_x``), ``dy`` like ``y`` in ``y``'s dtype, ``dw [T, N_OUT, N]`` and ``db [T, N_OUT]``
+    per token in fp32 (``None`` without ``y``). ``grad_out [..., N_OUT, D]`` and ``grad_x_acc``
+    may have other leading dims than ``x``, with the same number of tokens.
     """
-    T, n, d = x.shape
-    n_out = w.shape[1]
-    assert grad_out.shape == (T, n_out, d) and 1 <= n <= MAX_STREAMS
+    n, d = x.shape[-2:]
+    T, n_out = math.prod(x.shape[:-2]), w.shape[1]
+    assert w.shape == (T, n_out, n) and grad_out.shape[-2:] == (n_out, d) and 1 <= n <= MAX_STREAMS
     x = x.contiguous()
     grad_out = grad_out.contiguous()
     has_y = y is not None
@@ -339,5 +343,5 @@ def stream_mix_bwd(
     block_t, meta, key = _bwd_meta(n, n_out, d, has_y, need_grad_x, accumulate)
     args = (x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x,
             dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw, T, d, stride_w, stride_b)
-    launch(stream_mix_bwd_kernel, (triton.cdiv(T, block_t),), args, meta, key)
+    launch(stream_mix_bwd_kernel, (cdiv(T, block_t),), args, meta, key)
     return dx, dy, dw, db
