@@ -7,9 +7,9 @@ per launch on the H100 machines, against 7 us for the compiled kernel's own laun
 step, so :func:`launch` keeps the compiled kernel of each specialization and calls its launcher
 directly.
 
-The cache key holds what Triton specializes on, per argument: a tensor's dtype, device and
-whether its address is a multiple of 16; an int's 32-bit range, whether it is 1 and whether it is
-a multiple of 16; the type of anything else; and the launch's meta-parameters. It is at least as
+The cache key holds what Triton specializes on: the launch's device and meta-parameters, and per
+argument a tensor's dtype and whether its address is a multiple of 16, an int's 32-bit range,
+whether it is 1 and whether it is a multiple of 16, the type of anything else. It is at least as
 fine as Triton's own key, so a cached kernel is one that ``kernel[grid]`` would have picked. A miss
 goes through ``kernel[grid]`` (which compiles or finds the kernel) and stores what it returns.
 
@@ -30,11 +30,11 @@ _Tensor = torch.Tensor
 
 def _specialization(args) -> tuple:
     """What Triton specializes ``args`` on, flattened into one tuple (one pass, no call per
-    argument: this runs on every launch)."""
+    argument: this runs on every launch). The device is the launch's, not part of this key."""
     key = []
     for a in args:
         if isinstance(a, _Tensor):
-            key += (a.dtype, a.get_device(), a.data_ptr() & 15 == 0)
+            key += (a.dtype, a.data_ptr() & 15 == 0)
         elif type(a) is int:
             key += (-(2**31) <= a < 2**31, a == 1, a & 15 == 0)
         else:
@@ -59,7 +59,9 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
     if not FAST:
         kernel[grid](*args, **meta)
         return
-    key = (kernel, meta_key, _specialization(args))
+    # id(kernel): a JITFunction hashes through Python code; the kernels live as long as their module
+    device = args[0].get_device()
+    key = (id(kernel), meta_key, device, _specialization(args))
     cached = _CACHE.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
@@ -68,7 +70,7 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
         return
     compiled = cached.kernel
     full = (*args, *cached.constexprs)
-    stream = torch._C._cuda_getCurrentRawStream(args[0].get_device())
+    stream = torch._C._cuda_getCurrentRawStream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
