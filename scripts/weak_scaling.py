@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import os
 import statistics
@@ -135,6 +136,9 @@ def _run(arm, args, device, rank, sync):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    # the previous arm's model is garbage in reference cycles (modules and FSDP2's hooks): collect
+    # it now rather than inside a timed step, where a collection would stall the host
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -147,7 +151,8 @@ def _run(arm, args, device, rank, sync):
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     summary = _profile(step, device, sync) if args.profile else None
-    del model, opt
+    del model, opt, step
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return times, peak, summary
