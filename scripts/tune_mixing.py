@@ -67,40 +67,58 @@ def compile_times():
 def launch_overhead():
     """Host time of one site's forward + backward at 64 tokens (GPU time negligible): the branch
     alone, a plain residual, a HyperConnection called as a module, one site of a chain of eight
-    (``finish(y, next=...)``), and Liger-Kernel's LigerMHC."""
+    (``finish(y, next=...)``), and Liger-Kernel's LigerMHC. The arms take turns over 7 rounds of
+    200 calls (medians), with the gradients accumulating, and with ``zero_grad(set_to_none=True)``
+    before each step as in training."""
+    import statistics
+
     from benchmark_mixing import MLP, wrap
+    from torch import nn
 
     from mhc.mixing import HyperConnection
 
-    dim, sites = 256, 8
+    dim, sites, dev = 256, 8, "cuda"
     branch = MLP(dim).cuda().to(torch.bfloat16)
-    h = torch.randn(64, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    _host_time("branch alone", lambda: branch(h).backward(torch.ones_like(h)))
+    h = torch.randn(64, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w_h = torch.randn_like(h)
+    arms = {"branch alone": (branch, lambda: branch(h).backward(w_h), 1)}
     for arm in ("plain", "mhc", "liger"):
         try:
             module = wrap(arm, MLP(dim).cuda().to(torch.bfloat16), dim, 4)
         except Exception as e:
             print(f"  {arm}: skipped ({type(e).__name__})")
             continue
-        shape = (64, dim) if arm == "plain" else (64, 4, dim)
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn_like(x)
-        _host_time(arm, lambda: module(x).backward(w))
+        x = torch.randn((64, dim) if arm == "plain" else (64, 4, dim), device=dev, dtype=torch.bfloat16,
+                        requires_grad=True)
+        arms[arm] = (module, (lambda m=module, x=x, w=torch.randn_like(x): m(x).backward(w)), 1)
     chain = [HyperConnection(dim, 4, MLP(dim).cuda().to(torch.bfloat16), init="zero").cuda() for _ in range(sites)]
-    x = torch.randn(64, 4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn_like(x)
+    xc = torch.randn(64, 4, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    wc = torch.randn_like(xc)
 
     def chained():
-        x_in, finish = chain[0].split(x)
+        x_in, finish = chain[0].split(xc)
         for site, nxt in zip(chain, chain[1:] + [None]):
             y = site.branch(x_in)
             if nxt is None:
                 out = finish(y)
             else:
                 x_in, finish = finish(y, next=nxt)
-        out.backward(w)
+        out.backward(wc)
 
-    _host_time(f"mhc chained (per site, {sites} sites)", chained, per=sites)
+    arms[f"one site of a chain of {sites}"] = (nn.ModuleList(chain), chained, sites)
+    times = {(arm, fresh): [] for arm in arms for fresh in (False, True)}
+    for _, step, _ in arms.values():
+        _wall_time(step, 30, 1)
+    for _ in range(7):
+        for arm, (module, step, per) in arms.items():
+            times[(arm, False)].append(_wall_time(step, 0, 200) / per)
+            times[(arm, True)].append(_wall_time(lambda: (module.zero_grad(set_to_none=True), step()), 0, 200) / per)
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    for arm in arms:
+        acc, fresh = med[(arm, False)], med[(arm, True)]
+        print(f"  host time fwd+bwd {arm:>28}: grads accumulating {acc:6.0f} us "
+              f"(+{acc - med[('branch alone', False)]:5.0f}), zero_grad + step {fresh:6.0f} us "
+              f"(+{fresh - med[('branch alone', True)]:5.0f})", flush=True)
 
 
 def _wall_time(step, warmup: int, reps: int) -> float:
@@ -113,10 +131,6 @@ def _wall_time(step, warmup: int, reps: int) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps
-
-
-def _host_time(label, step, per=1):
-    print(f"  host time fwd+bwd {label:>34}: {_wall_time(step, 20, 200) / per * 1e6:7.0f} us", flush=True)
 
 
 def host_profile():
