@@ -171,6 +171,55 @@ def test_split_form_coefficients_and_recorder_on_the_fused_path():
     torch.testing.assert_close(h_res[0], ref.coefficients(x)[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True)])
+def test_gradients_when_some_outputs_are_unused(constraint, dynamic):
+    """The fused Functions get ``None`` for the gradient of an output that reaches no loss (no
+    zeros are made for them): only ``h_post`` and ``h_res`` of the coefficients reach the loss, or
+    the branch ignores its input; every gradient still matches the reference path's."""
+    fused, ref = layer_pair(10, 4, constraint, dynamic, seed=11)
+    x = torch.randn(2, 3, 4, 10, device=DEVICE)
+    w_post, w_res = torch.randn(2, 3, 4, device=DEVICE), torch.randn(2, 3, 4, 4, device=DEVICE)
+    bias = torch.randn(10, device=DEVICE)
+
+    def grads(layer, loss_of):
+        # a parameter that reaches no loss: None on the reference path, zeros from the fused op
+        xg = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        loss_of(layer, xg).backward()
+        named = [("x", xg), *layer.named_parameters()]
+        return {k: torch.zeros_like(t) if t.grad is None else t.grad for k, t in named}
+
+    def coefficient_loss(layer, xg):
+        _, h_post, h_res = layer.coefficients(xg)
+        return (h_post * w_post).sum() + (h_res * w_res).sum()
+
+    def input_ignored(layer, xg):
+        _, finish = layer.split(xg)
+        return (finish(bias.expand(2, 3, 10)) * x.flip(-1)).sum()
+
+    for loss_of in (coefficient_loss, input_ignored):
+        got, want = grads(fused, loss_of), grads(ref, loss_of)
+        assert want["phi" if dynamic else "b_res"].abs().sum() > 0  # the loss reaches the layer
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_branch_may_modify_its_input_in_place():
+    """The branch input the fused path returns is no view of a tensor made inside an autograd
+    Function, so a branch may modify it in place (autograd forbids that on such views)."""
+    fused, ref = layer_pair(8, 4, seed=12)
+    for layer in (fused, ref):
+        layer.branch = nn.Sequential(nn.Identity(), InPlaceScale(), layer.branch)
+    x = torch.randn(2, 5, 4, 8, device=DEVICE)
+    grad = torch.randn_like(x)
+    assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=1e-5, atol=1e-5)
+
+
+class InPlaceScale(nn.Module):
+    def forward(self, h):
+        return h.mul_(2.0)
+
+
 def test_bf16_parameters_are_accepted():
     fused, ref = layer_pair(8, 4, seed=8)
     fused.to(torch.bfloat16)
