@@ -125,9 +125,9 @@ class Site:
         return x_in, ReferenceFinish(self, x, h_post, h_res)
 
     def _fused_finish(self, x_in, h_post, h_res, x_pass):
-        if self._recorder is not None:
+        if self._recorder is not None:  # the reshape only while recording: it costs host time per site
             n = self.n_streams
-            self._record(h_res.expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
+            self._recorder.append(h_res.detach().expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
         return x_in, FusedFinish(self, x_pass, h_post, h_res)
 
     def _record(self, h_res: torch.Tensor) -> None:

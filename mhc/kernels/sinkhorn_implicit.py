@@ -14,7 +14,7 @@ import triton.language as tl
 
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, centered,
-    launch_config,
+    cdiv, launch_config,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_implicit_bwd
 
@@ -89,7 +89,7 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
     if T == 0:
         return grad_in
     np2, block_t, num_warps = launch_config(n, IMPLICIT_VALUES_PER_THREAD)
-    sinkhorn_implicit_bwd_kernel[(triton.cdiv(T, block_t),)](
+    sinkhorn_implicit_bwd_kernel[(cdiv(T, block_t),)](
         out, grad_out, grad_in, T,
         N=n, NP=np2, BLOCK_T=block_t, FP64=out.dtype == torch.float64, num_warps=num_warps,
     )

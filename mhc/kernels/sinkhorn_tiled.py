@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mhc.kernels._tiles import MAX_N, centered, load_upcast, next_pow2, reciprocal, store_rounded
+from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
 # (BLOCK_T, RI, num_warps); bwd (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
@@ -367,7 +367,7 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     if T == 0:
         return out
     block_t, ri, num_warps = _config(n, "fwd")
-    sinkhorn_tiled_fwd_kernel[(triton.cdiv(T, block_t),)](
+    sinkhorn_tiled_fwd_kernel[(cdiv(T, block_t),)](
         logits, out, T, iters,
         N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=logits.dtype == torch.float64,
         num_warps=num_warps,
@@ -382,7 +382,7 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     if T == 0:
         return grad_in
     block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")
-    sinkhorn_tiled_bwd_kernel[(triton.cdiv(T, block_t),)](
+    sinkhorn_tiled_bwd_kernel[(cdiv(T, block_t),)](
         logits, grad_out, grad_in, T, iters,
         N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg,
         SEGP=max(VEC.value, next_pow2(seg + 1)), RECOMPUTE_R1=recompute_r1,
@@ -397,7 +397,7 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
     if T == 0:
         return grad_in
     block_t, ri, num_warps = _config(n, "implicit")
-    sinkhorn_tiled_implicit_bwd_kernel[(triton.cdiv(T, block_t),)](
+    sinkhorn_tiled_implicit_bwd_kernel[(cdiv(T, block_t),)](
         out, grad_out, grad_in, T,
         N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=out.dtype == torch.float64,
         CG_TOL=1e-13 if out.dtype == torch.float64 else 1e-6, num_warps=num_warps,

@@ -323,7 +323,8 @@ def stream_mix_bwd(
     """
     n, d = x.shape[-2:]
     T, n_out = math.prod(x.shape[:-2]), w.shape[1]
-    assert w.shape == (T, n_out, n) and grad_out.shape[-2:] == (n_out, d) and 1 <= n <= MAX_STREAMS
+    assert w.shape == (T, n_out, n) and grad_out.shape[-2:] == (n_out, d) and grad_out.numel() == T * n_out * d
+    assert 1 <= n <= MAX_STREAMS
     x = x.contiguous()
     grad_out = grad_out.contiguous()
     has_y = y is not None
