@@ -1,13 +1,15 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
-    python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [coefficients] [mix-bwd]
-                                  [model-profile] [n=8]
+    python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
+                                  [coefficients] [mix-bwd] [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
   1024 with registers and spills, and the precision of its ``g @ phi^T``; ``coefficients``: the
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
+- ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
+  (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
 - ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
@@ -205,7 +207,7 @@ def sweep_projection():
         call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
-            mhc_coefficients.projection_bwd_config = lambda n, d, cfg=cfg: cfg
+            mhc_coefficients.projection_bwd_config = lambda n, d, itemsize=2, cfg=cfg: cfg
             _uncached()
             mhc_coefficients.projection_bwd_kernel = Capture()
             call()
@@ -228,11 +230,82 @@ def sweep_projection():
         mhc_coefficients.dx_precision = precision
 
 
+def sweep_projection_split():
+    """Coefficient backward at n = 5..8 with the projection backward as one pass (``dx`` and
+    ``dphi`` together) against two passes (``dx``, then ``dphi``), over tile configurations of each
+    pass, at d = 4096 and 1024, 16k tokens: time, registers and spills, and the results' agreement
+    with the one-pass kernel. ``tf32`` among the arguments: the ``dx`` pass's ``g @ phi^T`` in one
+    tf32 product instead of tf32x3 (run it in a process of its own: it may stop the context)."""
+    n, T = STREAMS, 16384
+    precision = "tf32" if "tf32" in sys.argv[1:] else "tf32x3"
+    originals = (mhc_coefficients.projection_bwd_config, mhc_coefficients.dphi_bwd_config,
+                 mhc_coefficients.projection_passes, mhc_coefficients.dx_precision)
+    jit = mhc_coefficients.projection_bwd_kernel
+    captured = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.append(jit[grid](*args, **kwargs))
+            return launch
+
+    def run(passes, dx_cfg, dphi_cfg, label, call, nbytes):
+        mhc_coefficients.projection_passes = lambda n: passes
+        mhc_coefficients.projection_bwd_config = lambda n, d, itemsize=2: dx_cfg
+        mhc_coefficients.dphi_bwd_config = lambda n, d, itemsize=2: dphi_cfg
+        mhc_coefficients.dx_precision = lambda x, n: precision if passes == ("dx", "dphi") else "tf32x3"
+        _uncached()
+        captured.clear()
+        mhc_coefficients.projection_bwd_kernel = Capture()
+        try:
+            out = call()
+        except Exception as e:
+            print(f"  {label}: failed {type(e).__name__}", flush=True)
+            return None, None
+        finally:
+            mhc_coefficients.projection_bwd_kernel = jit
+        resources = " | ".join(f"regs {k.n_regs} spills {k.n_spills}" for k in captured)
+        return out, _time(f"{label} [{resources}]", call, nbytes)
+
+    one_pass = originals[0](n, 4096)
+    dx_configs = [(64, 64, 4, 3, 6, None), (64, 64, 4, 2, 4, None), (32, 64, 4, 3, 6, None), (64, 128, 8, 3, 4, None),
+                  (32, 128, 4, 3, 6, None), (64, 64, 4, 3, 6, 168), (128, 64, 8, 3, 4, None)]
+    dphi_configs = [(64, 64, 4, 3, 4, None), (128, 64, 4, 3, 4, None), (64, 128, 8, 3, 4, None),
+                    (64, 64, 4, 4, 8, None), (128, 128, 8, 3, 4, None), (32, 64, 4, 3, 8, None)]
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+    for dim in (4096, 1024):
+        x, phi, gates, biases = _inputs(dim, n, T)
+        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
+        g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+        g_acc = torch.randn_like(x)
+        nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
+        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+        ref, _ = run(("both",), one_pass, None, f"d={dim} n={n} one pass {one_pass}", call, nbytes)
+        best = {}
+        for which, configs in (("dx", dx_configs), ("dphi", dphi_configs)):
+            for cfg in configs:
+                dx_cfg = cfg if which == "dx" else best.get("dx", dx_configs[0])
+                dphi_cfg = cfg if which == "dphi" else dphi_configs[0]
+                out, ms = run(("dx", "dphi"), dx_cfg, dphi_cfg,
+                              f"d={dim} n={n} two passes ({precision}) dx {dx_cfg} dphi {dphi_cfg}", call, nbytes)
+                if ms is not None:
+                    if ms < best.get(which + "_ms", float("inf")):
+                        best[which], best[which + "_ms"] = cfg, ms
+                    print(f"    against one pass: dx {rel(out[0], ref[0]):.2e}, dphi {rel(out[1], ref[1]):.2e}, "
+                          f"biases and gates {rel(out[2], ref[2]):.2e}", flush=True)
+        print(f"  d={dim}: best dx pass {best.get('dx')}, dphi pass {best.get('dphi')}", flush=True)
+    (mhc_coefficients.projection_bwd_config, mhc_coefficients.dphi_bwd_config,
+     mhc_coefficients.projection_passes, mhc_coefficients.dx_precision) = originals
+    _uncached()
+
+
 def sweep_coefficients():
     configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
                (64, 128, 8, 4), (32, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 8, 3), (32, 32, 4, 3)]
     if STREAMS > 4:  # registers from offline sm_90 compiles: 244, 166, 156, 175, 147 (no spills)
-        configs = [(64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3)]
+        configs = [(64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3),
+                   # 128 tokens per program: half the reads of phi from L2 (10 MiB per program at n = 8)
+                   (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2)]
     original = mhc_coefficients.coefficients_fwd_config
     for dim in (4096, 1024):
         x, phi, gates, biases = _inputs(dim, STREAMS, 16384)
@@ -301,7 +374,7 @@ if __name__ == "__main__":
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
-                     ("mix-bwd", sweep_mix_bwd),
+                     ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)

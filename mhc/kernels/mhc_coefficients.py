@@ -27,7 +27,9 @@ coefficient's gradient first:
 2. ``projection_bwd_kernel`` over ``(stream, channel chunk, token split)``:
    ``dx = g @ phi^T - c x + h_pre (x) dx_in (+ the post-mix's dx)``, one read and one write of
    the streams, and ``dphi = x^T g`` accumulated in registers over the split's tokens, written as
-   one partial per split.
+   one partial per split. At n = 5..8 the ``dphi`` accumulators (res columns 32 or 64 wide) beside
+   the ``dx`` tiles spill, so ``dx`` and ``dphi`` are two launches of the kernel, each reading
+   ``x``: one more read of the streams, and no spills (faster by a third).
 
 Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
@@ -270,7 +272,10 @@ def projection_bwd_kernel(
     T, D, SPLITS,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
     SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    DX: tl.constexpr, DPHI: tl.constexpr,
 ):
+    # DX / DPHI: which of the two results this launch computes (both, or one per launch where
+    # holding both accumulators at once spills: see projection_passes)
     M: tl.constexpr = 2 * N + N * N
     # program: stream j, channels o_c (rows j * D + o_c of phi), every SPLITS-th token block
     n_c = tl.cdiv(D, BLOCK_D)
@@ -283,10 +288,11 @@ def projection_bwd_kernel(
     o_res = tl.arange(0, NRES)
     m_pp = (o_pp < 2 * N)[None, :]
     m_res = (o_res < N * N)[None, :]
-    p_phi = phi_ptr + o_k[:, None] * M
-    b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=c_ok[:, None] & m_pp, other=0.0)
-    b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=c_ok[:, None] & m_res, other=0.0)
-    phi_pp_t, phi_res_t = tl.trans(b_phi_pp), tl.trans(b_phi_res)
+    if DX:
+        p_phi = phi_ptr + o_k[:, None] * M
+        b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=c_ok[:, None] & m_pp, other=0.0)
+        b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=c_ok[:, None] & m_res, other=0.0)
+        phi_pp_t, phi_res_t = tl.trans(b_phi_pp), tl.trans(b_phi_res)
 
     dphi_pp = tl.zeros([BLOCK_D, NPP], dtype=tl.float32)
     dphi_res = tl.zeros([BLOCK_D, NRES], dtype=tl.float32)
@@ -296,30 +302,33 @@ def projection_bwd_kernel(
         m = t_ok[:, None] & c_ok[None, :]
         b_g_pp = tl.load(g_ptr + o_t[:, None] * M + o_pp[None, :], mask=t_ok[:, None] & m_pp, other=0.0)
         b_g_res = tl.load(g_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=t_ok[:, None] & m_res, other=0.0)
-        c = tl.load(c_ptr + o_t, mask=t_ok, other=0.0)
-        h_pre = tl.load(h_pre_ptr + o_t * N + j, mask=t_ok, other=0.0)
         p_x = o_t[:, None] * (N * D) + o_k[None, :]
         b_x = tl.load(x_ptr + p_x, mask=m, other=0.0)
-        b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
 
-        # the elementwise terms first, in the layout they were loaded in, then added to the
-        # products as one tile: one layout conversion into the products' layout instead of one
-        # per loaded tile (fewer registers: 249 -> 186 at n = 4)
-        dx_rest = h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
-        if ACCUMULATE:
-            dx_rest += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
-        dx = tl.dot(b_g_pp, phi_pp_t, input_precision=DX_PRECISION)
-        dx += tl.dot(b_g_res, phi_res_t, input_precision=DX_PRECISION)
-        dx += dx_rest
-        tl.store(dx_ptr + p_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        if DX:
+            c = tl.load(c_ptr + o_t, mask=t_ok, other=0.0)
+            h_pre = tl.load(h_pre_ptr + o_t * N + j, mask=t_ok, other=0.0)
+            b_dx_in = tl.load(dx_in_ptr + o_t[:, None] * D + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+            # the elementwise terms first, in the layout they were loaded in, then added to the
+            # products as one tile: one layout conversion into the products' layout instead of
+            # one per loaded tile (fewer registers: 249 -> 186 at n = 4)
+            dx_rest = h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
+            if ACCUMULATE:
+                dx_rest += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
+            dx = tl.dot(b_g_pp, phi_pp_t, input_precision=DX_PRECISION)
+            dx += tl.dot(b_g_res, phi_res_t, input_precision=DX_PRECISION)
+            dx += dx_rest
+            tl.store(dx_ptr + p_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
-        b_xt = tl.trans(b_x)
-        dphi_pp += _dot_fp32(b_xt, b_g_pp, SPLIT_BF16)
-        dphi_res += _dot_fp32(b_xt, b_g_res, SPLIT_BF16)
+        if DPHI:
+            b_xt = tl.trans(b_x)
+            dphi_pp += _dot_fp32(b_xt, b_g_pp, SPLIT_BF16)
+            dphi_res += _dot_fp32(b_xt, b_g_res, SPLIT_BF16)
 
-    p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + o_k[:, None] * M
-    tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
-    tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
+    if DPHI:
+        p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + o_k[:, None] * M
+        tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
+        tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -340,10 +349,10 @@ def dx_precision(x: torch.Tensor, n: int) -> str:
     """Precision of ``g @ phi^T`` in the projection backward. A bf16 ``dx`` keeps 8 significant
     bits: one tf32 product (11 bits, a third of tf32x3's tensor-core work) stays below its rounding
     (H100, n = 4: the same error against an fp32 computation, 1.66e-3, and 1.255 -> 1.125 ms for
-    the coefficient backward at d = 4096). Only up to n = 4: at n = 5..8 (res columns 32 or 64
-    wide) the tf32 kernel stops with an illegal memory access under Triton 3.6, the tf32x3 one
-    does not. fp16 (11 bits) and fp32 keep tf32x3."""
-    return "tf32" if x.dtype == torch.bfloat16 and n <= 4 else "tf32x3"
+    the coefficient backward at d = 4096). fp16 (11 bits) and fp32 keep tf32x3. Up to n = 8; at
+    n = 5..8 only in the ``dx`` pass of the split backward (``projection_passes``): the one-pass
+    kernel with tf32 stopped with an illegal memory access under Triton 3.6."""
+    return "tf32" if x.dtype == torch.bfloat16 and n <= 8 else "tf32x3"
 
 
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
@@ -355,21 +364,37 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     return (64 if n <= 4 else 16), block_k, 4, 3
 
 
-def projection_bwd_config(n: int, d: int) -> tuple[int, int, int, int, int, int | None]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)``: token splits chosen so that
-    there are about ``waves`` programs per SM; ``maxnreg`` caps the registers per thread (``None``:
-    the compiler's choice)."""
+def projection_bwd_config(n: int, d: int, itemsize: int = 2) -> tuple[int, int, int, int, int, int | None]:
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``itemsize``
+    bytes: token splits chosen so that there are about ``waves`` programs per SM; ``maxnreg`` caps
+    the registers per thread (``None``: the compiler's choice)."""
     if n <= 4:
         # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
         # of them. Coefficient backward on an H100, n = 4, 16k tokens: d = 1024 0.274 ms (0.323
         # uncapped), 2048 0.500 (0.586), 4096 0.961 (1.055); 8 per SM: 0.289, 0.529, 1.018
         return 64, 64, 4, 3, 6, 168
     if n <= 8:
-        # res columns [64, 64], spilling, yet the fastest: at d = 4096, n = 8, 4.18 ms against 8.14 ms
-        # for (16, 64) and 9.70 ms for (32, 32), which do not spill (H100,
-        # docs/benchmarks/mixing_n8_h100.log); 8 warps stopped with an illegal memory access
-        return 64, 64, 4, 2, 4, None
+        # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
+        # 244 with tf32x3, no spills. Coefficient backward at d = 4096, n = 8, bf16, H100: 2.57 ms
+        # against 4.20 for the one-pass kernel (docs/benchmarks/mixing_n8_split_h100.log); fp32
+        # tiles need two stages to fit in shared memory
+        return 64, 64, 4, 3 if itemsize <= 2 else 2, 6, None
     return 16, 32, 4, 2, 4, None
+
+
+def projection_passes(n: int) -> tuple[str, ...]:
+    """The launches of the projection backward: ``("both",)``, one pass writing ``dx`` and
+    ``dphi``; or ``("dx", "dphi")``, two passes over ``x`` where the ``dphi`` accumulators beside
+    the ``dx`` tiles spill (n = 5..8: res columns 32 or 64 wide)."""
+    return ("dx", "dphi") if 4 < n <= 8 else ("both",)
+
+
+def dphi_bwd_config(n: int, d: int, itemsize: int = 2) -> tuple[int, int, int, int, int, int | None]:
+    """``projection_bwd_config`` of the ``dphi`` pass of a split projection backward: 150
+    registers, no spills (H100 sweep at n = 8: 2.57 ms for the coefficient backward at d = 4096,
+    2.86 ms with (64, 64) tiles). fp32 ``(128, 128)`` tiles need more shared memory than an H100
+    has (272 KiB)."""
+    return (128, 128, 8, 3, 4, None) if itemsize <= 2 else (64, 64, 4, 2, 4, None)
 
 
 @functools.cache
@@ -388,12 +413,13 @@ def _grad_meta(n: int, d: int, has_dh_pre: bool):
 
 
 @functools.cache
-def _projection_meta(n: int, d: int, accumulate: bool, split_bf16: bool, precision: str):
-    block_t, block_d, num_warps, num_stages, waves, maxnreg = projection_bwd_config(n, d)
+def _projection_meta(n: int, d: int, itemsize: int, accumulate: bool, split_bf16: bool, precision: str, part: str):
+    config = dphi_bwd_config if part == "dphi" else projection_bwd_config
+    block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, itemsize)
     meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
-                **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    return block_t, block_d, waves, meta, ("projection_bwd", n, d, accumulate, split_bf16, precision)
+                BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", num_warps=num_warps,
+                num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    return block_t, block_d, waves, meta, ("projection_bwd", n, d, itemsize, accumulate, split_bf16, precision, part)
 
 
 def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
@@ -469,13 +495,17 @@ def coefficients_bwd(
     )
     dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
-    block_t, block_d, waves, meta, key = _projection_meta(n, d, accumulate, _split_bf16(x), dx_precision(x, n))
-    chunks = n * cdiv(d, block_d)
-    splits = token_splits(T, block_t, waves, chunks, x.device)
-    partial_phi = torch.empty((splits, K, M), **f32)
-    args = (x, phi.contiguous(), g, c, h_pre, grad_x_in, grad_x_acc.contiguous() if accumulate else x, dx, partial_phi,
-            T, d, splits)
-    launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
+    phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
+    split_bf16, precision = _split_bf16(x), dx_precision(x, n)
+    for part in projection_passes(n):
+        block_t, block_d, waves, meta, key = _projection_meta(
+            n, d, x.element_size(), accumulate, split_bf16, precision, part)
+        chunks = n * cdiv(d, block_d)
+        splits = token_splits(T, block_t, waves, chunks, x.device)
+        if part != "dx":
+            partial_phi = torch.empty((splits, K, M), **f32)
+        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, dx, partial_phi if part != "dx" else dx, T, d, splits)
+        launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
     return dx, partial_phi.sum(0), partial_bias.sum(0)
 
 
