@@ -207,7 +207,7 @@ def sweep_projection():
         call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
-            mhc_coefficients.projection_bwd_config = lambda n, d, itemsize=2, cfg=cfg: cfg
+            mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
             _uncached()
             mhc_coefficients.projection_bwd_kernel = Capture()
             call()
@@ -251,8 +251,8 @@ def sweep_projection_split():
 
     def run(passes, dx_cfg, dphi_cfg, label, call, nbytes):
         mhc_coefficients.projection_passes = lambda n: passes
-        mhc_coefficients.projection_bwd_config = lambda n, d, itemsize=2: dx_cfg
-        mhc_coefficients.dphi_bwd_config = lambda n, d, itemsize=2: dphi_cfg
+        mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None: dx_cfg
+        mhc_coefficients.dphi_bwd_config = lambda n, d, dtype=None: dphi_cfg
         mhc_coefficients.dx_precision = lambda x, n: precision if passes == ("dx", "dphi") else "tf32x3"
         _uncached()
         captured.clear()

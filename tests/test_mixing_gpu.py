@@ -63,18 +63,18 @@ def _pair(dim, n, seed, dtype):
     return fused, ref
 
 
-def _bf16_full_size_runs(seed, dim=4096, n=4, tokens=2048):
+def _low_precision_runs(seed, dim=4096, n=4, tokens=2048, dtype=torch.bfloat16):
     """``(exact, fused, reference)``: output and gradients (the branch's left out) of the fp64
-    reference path and of the fused and the reference path in bf16 (d = 4096, n = 4, 2048 tokens
-    unless given)."""
-    fused, ref = _pair(dim, n, seed, torch.bfloat16)
+    reference path and of the fused and the reference path in ``dtype`` (bf16, d = 4096, n = 4,
+    2048 tokens unless given)."""
+    fused, ref = _pair(dim, n, seed, dtype)
     x = torch.randn(tokens, n, dim, device="cuda")
     w = torch.randn_like(x)
     exact = run(copy.deepcopy(ref).double(), x.double(), w.double())
-    ref.branch.to(torch.bfloat16)
-    fused.branch.to(torch.bfloat16)
-    low = run(ref, x.bfloat16(), w.bfloat16())
-    got = run(fused, x.bfloat16(), w.bfloat16())
+    ref.branch.to(dtype)
+    fused.branch.to(dtype)
+    low = run(ref, x.to(dtype), w.to(dtype))
+    got = run(fused, x.to(dtype), w.to(dtype))
     keep = lambda d: {k: v for k, v in d.items() if not k.startswith("branch")}  # noqa: E731
     return keep(exact), keep(got), keep(low)
 
@@ -84,18 +84,19 @@ def _relative(got, exact):
 
 
 def test_fused_bf16_full_size_three_way():
-    exact, got, low = _bf16_full_size_runs(0)
+    exact, got, low = _low_precision_runs(0)
     errors = {k: (_relative(got[k], exact[k]), _relative(low[k], exact[k])) for k in exact if not k.startswith("a_")}
     assert all(err <= 2 * err_ref + 1e-6 for err, err_ref in errors.values()), errors
 
 
-@pytest.mark.parametrize("dim, n", [(1024, 5), (1000, 7), (4096, 8)])
-def test_fused_bf16_five_to_eight_streams_three_way(dim, n):
-    """n = 5..8 run the projection backward as two passes (``dx`` with a tf32 ``g @ phi^T`` for
+@pytest.mark.parametrize("dim, n, dtype", [(1024, 5, torch.bfloat16), (1000, 7, torch.bfloat16),
+                                           (4096, 8, torch.bfloat16), (1000, 6, torch.float16)])
+def test_fused_five_to_eight_streams_three_way(dim, n, dtype):
+    """n = 5..8 run the projection backward as two passes (``dx``, with a tf32 ``g @ phi^T`` for
     bf16, then ``dphi``): the output and the gradients of ``x`` and ``phi`` within the three-way
     rule. The biases' and gates' gradients (sums over tokens, single draws) come from the
     gradient kernel that every n shares; they are tested over draws at n = 4 above."""
-    exact, got, low = _bf16_full_size_runs(0, dim, n, tokens=1024)
+    exact, got, low = _low_precision_runs(0, dim, n, tokens=1024, dtype=dtype)
     errors = {k: (_relative(got[k], exact[k]), _relative(low[k], exact[k])) for k in ("out", "x", "phi")}
     assert all(err <= 2 * err_ref + 1e-6 for err, err_ref in errors.values()), errors
 
@@ -107,7 +108,7 @@ def test_fused_bf16_full_size_gate_gradients_three_way():
     gates = ("a_pre", "a_post", "a_res")
     draws = []
     for seed in range(8):
-        draws.append([{k: d[k] for k in gates} for d in _bf16_full_size_runs(seed)])
+        draws.append([{k: d[k] for k in gates} for d in _low_precision_runs(seed)])
     errors = {}
     for k in gates:
         exact, got, low = (torch.cat([draw[i][k] for draw in draws]) for i in range(3))

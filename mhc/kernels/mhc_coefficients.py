@@ -364,10 +364,10 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     return (64 if n <= 4 else 16), block_k, 4, 3
 
 
-def projection_bwd_config(n: int, d: int, itemsize: int = 2) -> tuple[int, int, int, int, int, int | None]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``itemsize``
-    bytes: token splits chosen so that there are about ``waves`` programs per SM; ``maxnreg`` caps
-    the registers per thread (``None``: the compiler's choice)."""
+def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
+    token splits chosen so that there are about ``waves`` programs per SM; ``maxnreg`` caps the
+    registers per thread (``None``: the compiler's choice)."""
     if n <= 4:
         # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
         # of them. Coefficient backward on an H100, n = 4, 16k tokens: d = 1024 0.274 ms (0.323
@@ -378,7 +378,7 @@ def projection_bwd_config(n: int, d: int, itemsize: int = 2) -> tuple[int, int, 
         # 244 with tf32x3, no spills. Coefficient backward at d = 4096, n = 8, bf16, H100: 2.57 ms
         # against 4.20 for the one-pass kernel (docs/benchmarks/mixing_n8_split_h100.log); fp32
         # tiles need two stages to fit in shared memory
-        return 64, 64, 4, 3 if itemsize <= 2 else 2, 6, None
+        return 64, 64, 4, 3 if dtype.itemsize <= 2 else 2, 6, None
     return 16, 32, 4, 2, 4, None
 
 
@@ -389,12 +389,12 @@ def projection_passes(n: int) -> tuple[str, ...]:
     return ("dx", "dphi") if 4 < n <= 8 else ("both",)
 
 
-def dphi_bwd_config(n: int, d: int, itemsize: int = 2) -> tuple[int, int, int, int, int, int | None]:
+def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
     """``projection_bwd_config`` of the ``dphi`` pass of a split projection backward: 150
     registers, no spills (H100 sweep at n = 8: 2.57 ms for the coefficient backward at d = 4096,
-    2.86 ms with (64, 64) tiles). fp32 ``(128, 128)`` tiles need more shared memory than an H100
-    has (272 KiB)."""
-    return (128, 128, 8, 3, 4, None) if itemsize <= 2 else (64, 64, 4, 2, 4, None)
+    2.86 ms with (64, 64) tiles). fp16 and fp32 streams take tf32x3 products on fp32 tiles, and
+    fp32 ``(128, 128)`` tiles need more shared memory than an H100 has (272 KiB): ``(64, 64)``."""
+    return (128, 128, 8, 3, 4, None) if dtype == torch.bfloat16 else (64, 64, 4, 2, 4, None)
 
 
 @functools.cache
@@ -413,13 +413,13 @@ def _grad_meta(n: int, d: int, has_dh_pre: bool):
 
 
 @functools.cache
-def _projection_meta(n: int, d: int, itemsize: int, accumulate: bool, split_bf16: bool, precision: str, part: str):
+def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, precision: str, part: str):
     config = dphi_bwd_config if part == "dphi" else projection_bwd_config
-    block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, itemsize)
+    block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
     meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
                 BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", num_warps=num_warps,
                 num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    return block_t, block_d, waves, meta, ("projection_bwd", n, d, itemsize, accumulate, split_bf16, precision, part)
+    return block_t, block_d, waves, meta, ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part)
 
 
 def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
@@ -499,7 +499,7 @@ def coefficients_bwd(
     split_bf16, precision = _split_bf16(x), dx_precision(x, n)
     for part in projection_passes(n):
         block_t, block_d, waves, meta, key = _projection_meta(
-            n, d, x.element_size(), accumulate, split_bf16, precision, part)
+            n, d, x.dtype, accumulate, split_bf16, precision, part)
         chunks = n * cdiv(d, block_d)
         splits = token_splits(T, block_t, waves, chunks, x.device)
         if part != "dx":
