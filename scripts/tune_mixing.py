@@ -179,6 +179,19 @@ def _time(label, call, nbytes):
     return ms
 
 
+def _coefficient_backward_call(dim, n, T):
+    """``(call, nbytes, inputs)``: the coefficient backward of bf16 streams ``[T, n, dim]`` as a
+    function of nothing, the bytes its one-pass form moves (``4X + 2Y``) and its inputs
+    ``(x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc)``."""
+    x, phi, gates, biases = _inputs(dim, n, T)
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
+    g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    g_acc = torch.randn_like(x)
+    nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
+    call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+    return call, nbytes, (x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc)
+
+
 def sweep_projection():
     """Coefficient backward (gradient + projection kernels) over tile configurations, with the
     registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
@@ -199,12 +212,7 @@ def sweep_projection():
 
     for dim in (4096, 2048, 1024):
         n, T = STREAMS, 16384
-        x, phi, gates, biases = _inputs(dim, n, T)
-        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
-        g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-        g_acc = torch.randn_like(x)
-        nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
-        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+        call, nbytes, (x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
             mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
@@ -274,12 +282,7 @@ def sweep_projection_split():
                     (64, 64, 4, 4, 8, None), (128, 128, 8, 3, 4, None), (32, 64, 4, 3, 8, None)]
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
     for dim in (4096, 1024):
-        x, phi, gates, biases = _inputs(dim, n, T)
-        x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
-        g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-        g_acc = torch.randn_like(x)
-        nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
-        call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+        call, nbytes, _ = _coefficient_backward_call(dim, n, T)
         ref, _ = run(("both",), one_pass, None, f"d={dim} n={n} one pass {one_pass}", call, nbytes)
         best = {}
         for which, configs in (("dx", dx_configs), ("dphi", dphi_configs)):
