@@ -5,7 +5,8 @@
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
-  1024 with registers and spills, and the precision of its ``g @ phi^T``; ``coefficients``: the
+  1024 with registers and spills, and the precision of its ``g @ phi^T`` (at n = 5..8, where the
+  projection backward runs in two passes, ``projection-split``); ``coefficients``: the
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
@@ -193,13 +194,15 @@ def _coefficient_backward_call(dim, n, T):
 
 
 def sweep_projection():
-    """Coefficient backward (gradient + projection kernels) over tile configurations, with the
-    registers and spills of each compile; then ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``)."""
+    """Coefficient backward (gradient + projection kernels) over tile configurations of the
+    one-pass projection backward (n <= 4), with the registers and spills of each compile; then
+    ``g @ phi^T`` in tf32x3 against tf32 (bf16 ``dx``). At n = 5..8 the launcher runs two passes:
+    :func:`sweep_projection_split` sweeps those."""
+    if 4 < STREAMS <= 8:
+        sweep_projection_split()
+        return
     configs = [(64, 64, 4, 3, 8, None), (64, 64, 4, 3, 8, 168), (64, 64, 4, 3, 4, 168), (64, 64, 4, 2, 8, 168),
                (64, 64, 4, 3, 16, 168), (32, 128, 4, 3, 8, None), (64, 128, 8, 3, 8, None), (64, 64, 4, 2, 4, None)]
-    if STREAMS > 4:  # no spills in offline sm_90 compiles (Triton 3.6) but the last, the launcher's
-        # 8 warps ((32, 64, 8, 2)) stopped with an illegal memory access on the H100
-        configs = [(32, 32, 4, 2, 4, None), (16, 64, 4, 2, 4, None), (32, 32, 4, 2, 8, None), (64, 64, 4, 2, 4, None)]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
     jit = mhc_coefficients.projection_bwd_kernel
     captured = {}
@@ -229,7 +232,7 @@ def sweep_projection():
             x.float(), phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in.float(), g_acc.float()
         )[:2]
         rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
-        for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 at n > 4: see dx_precision
+        for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 for n > 8: see dx_precision
             mhc_coefficients.dx_precision = lambda x, n, mode=mode: mode
             _uncached()
             dx, dphi = call()[:2]
