@@ -124,22 +124,22 @@ def kernel_table(dim, n, tokens, copy_gbps):
     x = torch.randn(T, n, dim, device="cuda", dtype=DTYPE)
     y = torch.randn(T, dim, device="cuda", dtype=DTYPE)
     phi = torch.randn(K, M, device="cuda") / math.sqrt(K)
-    gates = [torch.tensor(0.5, device="cuda") for _ in range(3)]
-    biases = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, n, device="cuda")]
-    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
+    alpha = torch.full((3,), 0.5, device="cuda")
+    bias = torch.zeros(2 * n + n * n, device="cuda")
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
     g_out = torch.randn_like(x)
     g_in = torch.randn_like(y)
     dh_res = torch.randn_like(h_res)
     X, Y = x.numel() * 2, y.numel() * 2
     calls = {
         "coefficients + pre-mix fwd (read x twice, write x_in)": (
-            lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6), 2 * X + Y),
+            lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6), 2 * X + Y),
         "post + residual fwd (read x, y; write out)": (lambda: kernels.stream_mix_fwd(x, h_res, y, h_post), 2 * X + Y),
         "post + residual bwd (read dout, x, y; write dx, dy)": (
             lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, g_out), 3 * X + 2 * Y),
         "sinkhorn bwd": (lambda: kernels.sinkhorn_bwd(z_res, dh_res, 20), 3 * z_res.numel() * 4),
         "coefficients + pre-mix bwd (read x twice, dx_acc, dx_in twice; write dx)": (
-            lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
+            lambda: kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
             4 * X + 2 * Y),
     }
     rows = []

@@ -44,13 +44,20 @@ def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
 
 
-def _fp32(params):
-    return tuple(p if p.dtype == torch.float32 else p.float() for p in params)
+def gates(alpha: torch.Tensor):
+    """``(a_pre, a_post, a_res)``: the entries of ``alpha [3]`` (0-d views)."""
+    return alpha.unbind()
+
+
+def biases(bias: torch.Tensor, n: int):
+    """``(b_pre [n], b_post [n], b_res [n, n])``: views of ``bias [2n + n*n]``."""
+    b_pre, b_post, b_res = bias.split_with_sizes([n, n, n * n])
+    return b_pre, b_post, b_res.view(n, n)
 
 
 class DynamicMHC:
     """Per-token mHC coefficients from ``site.mixing_parameters()``:
-    ``(phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``."""
+    ``(phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])``."""
 
     fused_coefficients = True  # one kernel computes them with the pre-mix; the seam needs this
 
@@ -58,18 +65,20 @@ class DynamicMHC:
         """``(a_pre * pre, a_post * post, a_res * res)``: the gated projections before the biases,
         ``[..., n]``, ``[..., n]``, ``[..., n, n]``."""
         n = site.n_streams
-        phi, a_pre, a_post, a_res = site.mixing_parameters()[:4]
+        phi, alpha, _ = site.mixing_parameters()
         dtype = coefficient_dtype(x, phi)
+        a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(x.to(dtype), "... s d -> ... (s d)")
         proj = (v @ phi.to(dtype)) * rms_inverse(v, site.rms_eps)
         pre, post, res = proj.split([n, n, n * n], dim=-1)
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
     def reference(self, site, x: torch.Tensor):
-        b_pre, b_post, b_res = site.mixing_parameters()[4:]
-        dtype = coefficient_dtype(x, b_res)
+        bias = site.mixing_parameters()[2]
+        dtype = coefficient_dtype(x, bias)
+        b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
         pre, post, res = self.logits(site, x)
-        pre, post, res = b_pre.to(dtype) + pre, b_post.to(dtype) + post, b_res.to(dtype) + res
+        pre, post, res = b_pre + pre, b_post + post, b_res + res
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
@@ -77,8 +86,9 @@ class DynamicMHC:
         return mhc_pre_mix(x, self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps, site.hc_eps)
 
     def fused_parameters(self, site):
-        """``site.mixing_parameters()`` in fp32, as the kernels take them."""
-        return _fp32(site.mixing_parameters())
+        """``site.mixing_parameters()`` as they are: the kernels read any float dtype into fp32, so
+        parameters that FSDP2's mixed precision hands over in bf16 need no cast op per call."""
+        return site.mixing_parameters()
 
 
 class DynamicHC:
@@ -88,17 +98,19 @@ class DynamicHC:
     fused_coefficients = False
 
     def logits(self, site, x: torch.Tensor):
-        phi, a_pre, a_post, a_res = site.mixing_parameters()[:4]
+        phi, alpha, _ = site.mixing_parameters()
         dtype = coefficient_dtype(x, phi)
+        a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = x.to(dtype)
         proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi.to(dtype))  # [..., s, n + 2]
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):
-        b_pre, b_post, b_res = site.mixing_parameters()[4:]
-        dtype = coefficient_dtype(x, b_res)
+        bias = site.mixing_parameters()[2]
+        dtype = coefficient_dtype(x, bias)
+        b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
         pre, post, res = self.logits(site, x)
-        return b_pre.to(dtype) + pre, b_post.to(dtype) + post, b_res.to(dtype) + res
+        return b_pre + pre, b_post + post, b_res + res
 
     def fused_start(self, site, x: torch.Tensor):
         T = math.prod(x.shape[:-2])
@@ -118,9 +130,8 @@ class Static:
 
     def coefficients(self, site):
         """``(h_pre [n], h_post [n], h_res [n, n])``, fp32 (fp64 for fp64 parameters)."""
-        b_pre, b_post, b_res = site.mixing_parameters()[4:]
-        dtype = coefficient_dtype(b_res)
-        b_pre, b_post, b_res = b_pre.to(dtype), b_post.to(dtype), b_res.to(dtype)
+        bias = site.mixing_parameters()[2]
+        b_pre, b_post, b_res = biases(bias.to(coefficient_dtype(bias)), site.n_streams)
         if not self.constrained:
             return b_pre, b_post, b_res
         h_res = sinkhorn(b_res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)

@@ -26,7 +26,7 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
-from mhc.coefficients import coefficient_dtype, rms_inverse, source_for
+from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
 from mhc.layer import check_settings, sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
 from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend
@@ -165,13 +165,15 @@ class StreamCollapse(nn.Module):
         return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")
 
 
-def _gates_from_scalars(module, state_dict, prefix, *args) -> None:
-    """Accept checkpoints whose gates ``a_pre, a_post, a_res`` were 0-d (saved before they became
-    shape ``[1]``)."""
-    for name in ("a_pre", "a_post", "a_res"):
-        value = state_dict.get(prefix + name)
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            state_dict[prefix + name] = value.reshape(1)
+def _packed_from_separate(module, state_dict, prefix, *args) -> None:
+    """Accept checkpoints written while the gates and biases were separate parameters
+    (``a_pre, a_post, a_res`` of shape ``[1]`` or 0-d; ``b_pre [n], b_post [n], b_res [n, n]``):
+    they load into ``alpha [3]`` and ``bias [2n + n*n]``. Parts of the wrong size make ``alpha``
+    or ``bias`` the wrong size, which ``load_state_dict`` reports."""
+    for packed, names in (("alpha", ("a_pre", "a_post", "a_res")), ("bias", ("b_pre", "b_post", "b_res"))):
+        keys = [prefix + name for name in names]
+        if prefix + packed not in state_dict and all(isinstance(state_dict.get(k), torch.Tensor) for k in keys):
+            state_dict[prefix + packed] = torch.cat([state_dict.pop(k).reshape(-1) for k in keys])
 
 
 # ------------------------------------------------------------------------------ hyper-connection
@@ -184,9 +186,8 @@ class HyperConnection(nn.Module, Site):
 
     ``constraint="sinkhorn"`` is mHC (arXiv 2512.24880, Eq. 7-9): the flattened token ``[n*dim]`` is
     RMS-normalised (the division applied after one projection to ``n*n + 2n`` logits), scaled by
-    gates ``a_pre, a_post, a_res`` (scalars stored as shape ``[1]``, 0.01 at init), biased, then
-    ``h_pre = sigmoid``, ``h_post = 2 sigmoid`` and ``h_res = sinkhorn`` (one ``[n, n]`` matrix per
-    token).
+    gates ``a_pre, a_post, a_res`` (0.01 at init), biased, then ``h_pre = sigmoid``,
+    ``h_post = 2 sigmoid`` and ``h_res = sinkhorn`` (one ``[n, n]`` matrix per token).
     ``constraint="none"`` is the original hyper-connection (arXiv 2409.19606): per-stream RMS norm,
     ``h = a * tanh(x W) + b`` with no constraint on ``h_res``.
 
@@ -227,7 +228,13 @@ class HyperConnection(nn.Module, Site):
     Models that run their own layer loop chain the sites: ``x_in, finish = hc_1.split(x)``, then
     ``x_in, finish = finish(branch_1(x_in), next=hc_2)``, ..., and ``x = finish(branch_k(x_in))``
     for the last one. ``finish(y, next=hc_2)`` equals ``hc_2.split(finish(y))``; on the fused path
-    between two dynamic mHC sites it runs as one kernel (:mod:`mhc.sites`).
+    between two dynamic mHC sites it runs as one autograd op (:mod:`mhc.sites`).
+
+    Parameters: ``bias [2n + n*n]`` (``[b_pre | b_post | vec(b_res)]``), and for dynamic layers
+    ``alpha [3]`` (the gates ``a_pre, a_post, a_res``) and ``phi`` (``[n*dim, 2n + n*n]`` for mHC,
+    ``[dim, n + 2]`` for HC). ``b_pre``, ``b_post``, ``b_res``, ``a_pre``, ``a_post``, ``a_res``
+    are views of them by those names. Checkpoints with the seven separate parameters of earlier
+    versions load (a ``load_state_dict`` pre-hook packs them).
     """
 
     def __init__(
@@ -267,40 +274,48 @@ class HyperConnection(nn.Module, Site):
         self.source = source_for(constraint, self.dynamic)
         self._recorder: list | None = None
 
-        self.b_pre = nn.Parameter(torch.zeros(n))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        self.b_res = nn.Parameter(torch.zeros(n, n))
+        # two or three parameters, not seven: optimizers and FSDP2 do host work per parameter
+        # (docs/mixing.md, "Host time")
+        self.bias = nn.Parameter(torch.zeros(2 * n + n * n))  # [b_pre | b_post | vec(b_res)]
         if self.dynamic:
-            # shape [1], not 0-d: FSDP2 shards along dim 0 and refuses scalar parameters
-            self.a_pre = nn.Parameter(torch.full((1,), 0.01))
-            self.a_post = nn.Parameter(torch.full((1,), 0.01))
-            self.a_res = nn.Parameter(torch.full((1,), 0.01))
-            self.register_load_state_dict_pre_hook(_gates_from_scalars)
+            self.alpha = nn.Parameter(torch.full((3,), 0.01))  # the gates (a_pre, a_post, a_res)
             # mHC: one projection of the flattened token; HC: one per stream, shared across streams
             fan_in = n * dim if constraint == "sinkhorn" else dim
             self.phi = nn.Parameter(torch.zeros(fan_in, n * n + 2 * n if constraint == "sinkhorn" else n + 2))
+        self.register_load_state_dict_pre_hook(_packed_from_separate)
         self.reset_parameters()
+
+    # views of the packed parameters under the paper's names (writable in place, no .grad of their own)
+    b_pre = property(lambda self: biases(self.bias, self.n_streams)[0], doc="``[n]``, a view of ``bias``")
+    b_post = property(lambda self: biases(self.bias, self.n_streams)[1], doc="``[n]``, a view of ``bias``")
+    b_res = property(lambda self: biases(self.bias, self.n_streams)[2], doc="``[n, n]``, a view of ``bias``")
+    a_pre = property(lambda self: self._gate(0), doc="``[1]``, a view of ``alpha`` (dynamic layers)")
+    a_post = property(lambda self: self._gate(1), doc="``[1]``, a view of ``alpha`` (dynamic layers)")
+    a_res = property(lambda self: self._gate(2), doc="``[1]``, a view of ``alpha`` (dynamic layers)")
+
+    def _gate(self, i: int) -> torch.Tensor:
+        if not self.dynamic:
+            raise AttributeError("a static HyperConnection (dynamic=False) has no gates")
+        return self.alpha[i : i + 1]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         n = self.n_streams
+        b_pre, b_post, b_res = biases(self.bias, n)
         if self.constraint == "sinkhorn":
             if self.init == "residual":
                 # sigmoid(b_pre) = 1/n so the branch input is the mean of the streams; 2 sigmoid(0) = 1
-                self.b_pre.fill_(-math.log(n - 1) if n > 1 else 20.0)
-                self.b_post.zero_()
-                self.b_res.copy_(4.0 * torch.eye(n))
+                b_pre.fill_(-math.log(n - 1) if n > 1 else 20.0)
+                b_post.zero_()
+                b_res.copy_(4.0 * torch.eye(n))
             else:
-                self.b_pre.zero_()
-                self.b_post.zero_()
-                self.b_res.zero_()
+                self.bias.zero_()
         else:
-            self.b_pre.fill_(1.0 / n)
-            self.b_post.fill_(1.0)
-            self.b_res.copy_(torch.eye(n))
+            b_pre.fill_(1.0 / n)
+            b_post.fill_(1.0)
+            b_res.copy_(torch.eye(n))
         if self.dynamic:
-            for a in (self.a_pre, self.a_post, self.a_res):
-                a.fill_(0.01)
+            self.alpha.fill_(0.01)
             if self.init == "residual":
                 self.phi.zero_()
             else:
@@ -308,8 +323,8 @@ class HyperConnection(nn.Module, Site):
 
     def mixing_parameters(self):
         if self.dynamic:
-            return self.phi, self.a_pre, self.a_post, self.a_res, self.b_pre, self.b_post, self.b_res
-        return None, None, None, None, self.b_pre, self.b_post, self.b_res
+            return self.phi, self.alpha, self.bias
+        return None, None, self.bias
 
     def forward(self, x: torch.Tensor, *branch_args, **branch_kwargs):
         if self.branch is None:

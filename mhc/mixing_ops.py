@@ -80,33 +80,32 @@ def _coefficient_outputs_fake(x):
 
 @torch.library.custom_op("mhc::mhc_coefficients_fwd", mutates_args=())
 def _coefficients_fwd_op(
-    x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
-    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, iters: int, eps: float, hc_eps: float,
+    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int, eps: float,
+    hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps)
+    return _kernels().coefficients_fwd(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
 @_coefficients_fwd_op.register_fake
-def _(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, eps, hc_eps):
+def _(x, phi, alpha, bias, iters, eps, hc_eps):
     return _coefficient_outputs_fake(x)
 
 
 @torch.library.custom_op("mhc::mhc_coefficients_bwd", mutates_args=())
 def _coefficients_bwd_op(
-    x: torch.Tensor, phi: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor, a_res: torch.Tensor,
-    p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor,
+    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor,
     dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
     grad_x_acc: torch.Tensor | None, hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _kernels().coefficients_bwd(
-        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
+        x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
     )
 
 
 @_coefficients_bwd_op.register_fake
-def _(x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
-    f32 = dict(dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((p.shape[1] + 3,), **f32)
+def _(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
+    f32 = dict(dtype=torch.float32)  # the parameters' gradients are fp32 whatever their dtype
+    return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
 
 
 def _stream_mix_bwd_compiled(*args):
@@ -187,25 +186,22 @@ class PostMixFunction(torch.autograd.Function):
 
 
 def _save_coefficients(ctx, x, params, outputs, settings, *extra):
-    """Save what a coefficient forward's backward needs: ``x``, ``phi`` and the gates, the per-token
+    """Save what a coefficient forward's backward needs: ``x``, ``phi`` and ``alpha``, the per-token
     fp32 values and the Sinkhorn's saved tensor (its logits; its output for the implicit backward),
     then ``extra``."""
     p, r, h_pre, h_post, z_res, h_res = outputs
     sinkhorn_saved = z_res if settings[1] == "exact" else h_res
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, *params[:4], p, r, h_pre, h_post, sinkhorn_saved, *extra)
+    ctx.save_for_backward(x, *params[:2], p, r, h_pre, h_post, sinkhorn_saved, *extra)
     ctx.settings = settings
-    # the parameters' gradients as one split of the kernels' packed [dbias | dgates]
-    n = x.shape[-2]
-    ctx.bias_gate_split = [n, n, n * n, 1, 1, 1]
-    ctx.bias_gate_shapes = tuple(t.shape for t in params[4:] + params[1:4])
+    ctx.bias_alpha_split = [params[2].numel(), 3]  # the kernels' packed [dbias | dalpha]
 
 
 def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
     """``(dz_res, grad_x_in, grad_h_post)``: the Sinkhorn backward of ``grad_h_res`` and the
     incoming gradients, ``None`` replaced by zeros. ``saved``: ``ctx.saved_tensors``, read once
     (activation checkpointing allows one read)."""
-    x, h_post, sinkhorn_saved = saved[0], saved[8], saved[9]
+    x, h_post, sinkhorn_saved = saved[0], saved[6], saved[7]
     iters, backward, _, hc_eps = ctx.settings
     if grad_x_in is None:
         grad_x_in = x.new_zeros(_tokens_of(x, x.shape[-1]))
@@ -217,26 +213,25 @@ def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
     return dz_res, grad_x_in, grad_h_post
 
 
-def _parameter_grads(ctx, dphi, dbias_gate):
-    """The gradients of ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` from the kernels'
-    ``dphi`` and packed ``[b_pre | b_post | b_res | a_pre, a_post, a_res]``: one split, and a view
-    where a parameter's shape is not the split's."""
-    grads = [g if g.shape == shape else g.view(shape)
-             for g, shape in zip(dbias_gate.split_with_sizes(ctx.bias_gate_split), ctx.bias_gate_shapes)]
-    return (dphi, *grads[3:], *grads[:3])
+def _parameter_grads(ctx, dphi, dbias_alpha):
+    """The gradients of ``(phi, alpha, bias)`` from the kernels' ``dphi`` and packed
+    ``[dbias | dalpha]`` (fp32; autograd casts them to the parameters' dtype)."""
+    dbias, dalpha = dbias_alpha.split_with_sizes(ctx.bias_alpha_split)
+    return dphi, dalpha, dbias
 
 
 class MHCPreMixFunction(torch.autograd.Function):
     """Dynamic mHC coefficients and the pre-mix in one op (the kernels of ``mhc_coefficients``).
 
-    ``(x [..., n, d], phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``
-    -> ``(x_in [..., d], h_pre [T, n], h_post [T, n], h_res [T, n, n], x_pass = x)``.
-    Saved: ``x`` and per-token fp32 values (``p``, ``r``, coefficients, Sinkhorn logits).
+    ``(x [..., n, d], phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])`` (parameters in any float
+    dtype, read into fp32 by the kernels) -> ``(x_in [..., d], h_pre [T, n], h_post [T, n],
+    h_res [T, n, n], x_pass = x)``. Saved: ``x`` and per-token fp32 values (``p``, ``r``,
+    coefficients, Sinkhorn logits).
     """
 
     @staticmethod
-    def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters, backward, eps, hc_eps):
-        params = (phi, a_pre, a_post, a_res, b_pre, b_post, b_res)
+    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps):
+        params = (phi, alpha, bias)
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
         _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps))
         return x_in, outputs[2], outputs[3], outputs[5], x
@@ -244,13 +239,13 @@ class MHCPreMixFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
         saved = ctx.saved_tensors
-        x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, _ = saved
+        x, phi, alpha, p, r, h_pre, h_post, _ = saved
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
-        dx, dphi, dbias_gate = _launchers().coefficients_bwd(
-            x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
+        dx, dphi, dbias_alpha = _launchers().coefficients_bwd(
+            x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, dphi, dbias_gate), None, None, None, None)
+        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None)
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -260,16 +255,15 @@ class MHCSeamFunction(torch.autograd.Function):
     the H100 (``docs/mixing.md``, "The seam").
 
     ``(x [..., n, d], y [..., d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix
-    inputs) and site ``l+1``'s ``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` -> site
+    inputs) and site ``l+1``'s ``(phi, alpha, bias)`` -> site
     ``l+1``'s ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for
     the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
     forward would save apart.
     """
 
     @staticmethod
-    def forward(ctx, x, y, h_post_l, h_res_l, phi, a_pre, a_post, a_res, b_pre, b_post, b_res,
-                iters, backward, eps, hc_eps):
-        params = (phi, a_pre, a_post, a_res, b_pre, b_post, b_res)
+    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps):
+        params = (phi, alpha, bias)
         run = _launchers()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
@@ -279,15 +273,15 @@ class MHCSeamFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
         saved = ctx.saved_tensors
-        x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
+        x_next, phi, alpha, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
         run = _launchers()
-        dx_next, dphi, dbias_gate = run.coefficients_bwd(
-            x_next, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
+        dx_next, dphi, dbias_alpha = run.coefficients_bwd(
+            x_next, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_gate), None, None, None, None)
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None)
 
 
 # ------------------------------------------------------------------------------ functionals
@@ -308,8 +302,7 @@ def post_mix(x: torch.Tensor, y: torch.Tensor | None, h_post: torch.Tensor | Non
 def mhc_pre_mix(x, params, iters: int, backward: str, eps: float, hc_eps: float = 0.0):
     """Dynamic mHC coefficients and pre-mix of ``x [..., n, d]``: ``(x_in, h_pre, h_post, h_res, x_pass)``.
 
-    ``params``: fp32 ``(phi [n*d, 2n + n*n], a_pre, a_post, a_res, b_pre [n], b_post [n], b_res [n, n])``;
-    see :class:`MHCPreMixFunction`."""
+    ``params``: ``(phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])``; see :class:`MHCPreMixFunction`."""
     return MHCPreMixFunction.apply(x, *params, iters, backward, eps, hc_eps)
 
 

@@ -92,8 +92,9 @@ class Site:
     """
 
     def mixing_parameters(self):
-        """``(phi, a_pre, a_post, a_res, b_pre, b_post, b_res)`` (``phi`` and the gates only for
-        dynamic sources)."""
+        """``(phi, alpha, bias)``: the projection, the gates ``alpha [3] = (a_pre, a_post, a_res)``
+        and the biases ``bias [2n + n*n] = [b_pre | b_post | vec(b_res)]`` (``phi`` and ``alpha``
+        ``None`` for static sources), in any float dtype."""
         raise NotImplementedError
 
     def coefficients(self, x: torch.Tensor):

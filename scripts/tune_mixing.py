@@ -46,7 +46,7 @@ def _uncached():
 def compile_times():
     """First call of each launcher of one bf16 layer, per n (the Triton cache is cold)."""
     for n in (4, 16):
-        x, phi, gates, biases = _inputs(64, n, 64)
+        x, phi, alpha, bias = _inputs(64, n, 64)
         y = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
         times = {}
 
@@ -58,12 +58,12 @@ def compile_times():
             return out
 
         x_in, p, r, h_pre, h_post, z_res, h_res = first(
-            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6))
+            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6))
         first("post-mix fwd", lambda: kernels.stream_mix_fwd(x, h_res, y, h_post))
         first("post-mix bwd", lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, torch.randn_like(x)))
         first("sinkhorn bwd", lambda: kernels.sinkhorn_bwd(z_res, torch.randn_like(z_res), 20))
         first("coefficients bwd", lambda: kernels.coefficients_bwd(
-            x, phi, *gates, p, r, h_pre, h_post, None, h_post, z_res, y, torch.randn_like(x)))
+            x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, y, torch.randn_like(x)))
         print(f"  compile n={n}: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
 
 
@@ -162,9 +162,9 @@ def _inputs(dim, n, T):
     K, M = n * dim, 2 * n + n * n
     x = torch.randn(T, n, dim, device="cuda", dtype=torch.bfloat16)
     phi = torch.randn(K, M, device="cuda") / math.sqrt(K)
-    gates = [torch.tensor(0.5, device="cuda") for _ in range(3)]
-    biases = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, n, device="cuda")]
-    return x, phi, gates, biases
+    alpha = torch.full((3,), 0.5, device="cuda")
+    bias = torch.zeros(2 * n + n * n, device="cuda")
+    return x, phi, alpha, bias
 
 
 def _time(label, call, nbytes):
@@ -183,14 +183,14 @@ def _time(label, call, nbytes):
 def _coefficient_backward_call(dim, n, T):
     """``(call, nbytes, inputs)``: the coefficient backward of bf16 streams ``[T, n, dim]`` as a
     function of nothing, the bytes its one-pass form moves (``4X + 2Y``) and its inputs
-    ``(x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc)``."""
-    x, phi, gates, biases = _inputs(dim, n, T)
-    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
+    ``(x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc)``."""
+    x, phi, alpha, bias = _inputs(dim, n, T)
+    x_in, p, r, h_pre, h_post, z_res, h_res = kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
     g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     g_acc = torch.randn_like(x)
     nbytes = 4 * x.numel() * 2 + 2 * g_in.numel() * 2
-    call = lambda: kernels.coefficients_bwd(x, phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
-    return call, nbytes, (x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc)
+    call = lambda: kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc)
+    return call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc)
 
 
 def sweep_projection():
@@ -215,7 +215,7 @@ def sweep_projection():
 
     for dim in (4096, 2048, 1024):
         n, T = STREAMS, 16384
-        call, nbytes, (x, phi, gates, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
+        call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
             mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
@@ -229,7 +229,7 @@ def sweep_projection():
         mhc_coefficients.projection_bwd_config = original
         _uncached()
         dx32, dphi32 = kernels.coefficients_bwd(
-            x.float(), phi, *gates, p, r, h_pre, h_post, None, h_post, h_res, g_in.float(), g_acc.float()
+            x.float(), phi, alpha, p, r, h_pre, h_post, None, h_post, h_res, g_in.float(), g_acc.float()
         )[:2]
         rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
         for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 for n > 8: see dx_precision
@@ -314,11 +314,11 @@ def sweep_coefficients():
                    (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2)]
     original = mhc_coefficients.coefficients_fwd_config
     for dim in (4096, 1024):
-        x, phi, gates, biases = _inputs(dim, STREAMS, 16384)
+        x, phi, alpha, bias = _inputs(dim, STREAMS, 16384)
         for cfg in configs:
             mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg
             _uncached()
-            call = lambda: kernels.coefficients_fwd(x, phi, *gates, *biases, 20, 1e-6)
+            call = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
             _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_fwd_config = original
 

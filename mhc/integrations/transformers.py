@@ -45,16 +45,16 @@ def _deepseek_v4():
 
 def _v4_parameters(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int):
     """V4's ``fn [(2 + n) n, n D]``, ``base [(2 + n) n]``, ``scale [3]`` as ``mhc``'s
-    ``(phi [n D, 2n + n n], a_pre, a_post, a_res, b_pre, b_post, b_res)``: views and one
-    concatenation of the same tensors, so gradients reach them.
+    ``(phi [n D, 2n + n n], alpha [3], bias [2n + n n])``: ``scale`` itself, and views and
+    concatenations of the same tensors, so gradients reach them.
 
-    ``fn``'s rows are ``[pre | post | comb]`` with ``comb[p, q]`` at ``2n + p n + q``; ``mhc``'s
-    ``h_res[t, s] = comb[s, t]`` (V4 mixes ``out[q] = sum_p comb[p, q] x[p]``)."""
+    ``fn``'s rows and ``base`` are ``[pre | post | comb]`` with ``comb[p, q]`` at ``2n + p n + q``;
+    ``mhc``'s ``h_res[t, s] = comb[s, t]`` (V4 mixes ``out[q] = sum_p comb[p, q] x[p]``)."""
     k = fn.shape[1]
     comb_t = fn[2 * n:].view(n, n, k).transpose(0, 1).reshape(n * n, k)
     phi = torch.cat([fn[: 2 * n], comb_t], dim=0).t()
-    b_res = base[2 * n:].view(n, n).t()
-    return phi, scale[0:1], scale[1:2], scale[2:3], base[:n], base[n:2 * n], b_res
+    bias = torch.cat([base[: 2 * n], base[2 * n:].view(n, n).t().reshape(n * n)])
+    return phi, scale, bias
 
 
 def _patched_classes():

@@ -72,9 +72,15 @@ def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
 
 
 @triton.jit
+def _gates(alpha_ptr):
+    """``(a_pre, a_post, a_res)`` in fp32 from ``alpha [3]`` (in the parameters' dtype)."""
+    return (tl.load(alpha_ptr).to(tl.float32), tl.load(alpha_ptr + 1).to(tl.float32),
+            tl.load(alpha_ptr + 2).to(tl.float32))
+
+
+@triton.jit
 def coefficients_epilogue(
-    acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps,
-    a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+    acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr,
     p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr,
 ):
@@ -93,14 +99,13 @@ def coefficients_epilogue(
     tl.store(p_ptr + o_t[:, None] * M + o_pp[None, :], p_pp, mask=m_t & (o_pp < 2 * N)[None, :])
     tl.store(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], p_res, mask=m_t & m_res[None, :])
 
-    a_pre = tl.load(a_pre_ptr)
-    a_post = tl.load(a_post_ptr)
-    a_res = tl.load(a_res_ptr)
-    bias_pp = tl.load(b_pre_ptr + o_pp, mask=m_pre, other=0.0) + tl.load(b_post_ptr + (o_pp - N), mask=m_post, other=0.0)
+    a_pre, a_post, a_res = _gates(alpha_ptr)
+    # bias = [b_pre | b_post | vec(b_res)]: the [pre | post] tile's columns are its first 2N entries
+    bias_pp = tl.load(bias_ptr + o_pp, mask=o_pp < 2 * N, other=0.0).to(tl.float32)
     h_pp = tl.sigmoid(tl.where(m_pre, a_pre, a_post)[None, :] * p_pp + bias_pp[None, :])
     tl.store(h_pre_ptr + o_t[:, None] * N + o_pp[None, :], h_pp + hc_eps, mask=m_t & m_pre[None, :])
     tl.store(h_post_ptr + o_t[:, None] * N + (o_pp - N)[None, :], 2.0 * h_pp, mask=m_t & m_post[None, :])
-    z_res = a_res * p_res + tl.load(b_res_ptr + o_res, mask=m_res, other=0.0)[None, :]
+    z_res = a_res * p_res + tl.load(bias_ptr + 2 * N + o_res, mask=m_res, other=0.0).to(tl.float32)[None, :]
     tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
     return h_pp
 
@@ -145,8 +150,9 @@ def sinkhorn_epilogue(
 
 @triton.jit(do_not_specialize=["T", "eps", "hc_eps"])
 def coefficients_fwd_kernel(
-    # pointers: streams x [T, N, D], phi [N * D, M] fp32, gates (3 scalars), biases
-    x_ptr, phi_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+    # pointers: streams x [T, N, D]; phi [N * D, M], gates alpha [3] = (a_pre, a_post, a_res) and
+    # biases bias [M] = [b_pre | b_post | vec(b_res)], any float dtype (read into fp32)
+    x_ptr, phi_ptr, alpha_ptr, bias_ptr,
     # outputs: x_in [T, D] (x's dtype); fp32 p [T, M], r [T], h_pre [T, N], h_post [T, N],
     # z_res [T, N, N] (Sinkhorn logits), h_res [T, N, N]
     x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
@@ -175,12 +181,12 @@ def coefficients_fwd_kernel(
         p_phi = phi_ptr + o_k[:, None] * M
         b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=k_ok[:, None] & (o_pp < 2 * N)[None, :], other=0.0)
         b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=k_ok[:, None] & m_res[None, :], other=0.0)
+        b_phi_pp, b_phi_res = b_phi_pp.to(tl.float32), b_phi_res.to(tl.float32)
         acc_pp += _dot_fp32(b_x, b_phi_pp, SPLIT_BF16)
         acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
 
     h_pp = coefficients_epilogue(
-        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, a_pre_ptr, a_post_ptr, a_res_ptr,
-        b_pre_ptr, b_post_ptr, b_res_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES,
+        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES,
     )
     pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_K)
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
@@ -191,7 +197,7 @@ def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
     x_ptr, dx_in_ptr, dh_pre_ptr, h_pre_ptr, dh_post_ptr, h_post_ptr, dz_res_ptr, p_ptr, r_ptr,
-    a_pre_ptr, a_post_ptr, a_res_ptr,
+    alpha_ptr,
     # outputs (fp32): g [T, M] (projection gradient), c [T] (RMS term), partial [programs, M + 3]
     # (this program's sums of dz and of the gate terms s)
     g_ptr, c_ptr, partial_ptr,
@@ -245,9 +251,7 @@ def coefficient_grad_kernel(
     p_res = tl.load(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], mask=m_res, other=0.0)
     s_res = tl.sum(dz_res * p_res, axis=1)
 
-    a_pre = tl.load(a_pre_ptr)
-    a_post = tl.load(a_post_ptr)
-    a_res = tl.load(a_res_ptr)
+    a_pre, a_post, a_res = _gates(alpha_ptr)
     r = tl.load(r_ptr + o_t, mask=t_ok, other=0.0)
     g_pp = dz_pp * tl.where(m_pre, a_pre, a_post)[None, :] * r[:, None]
     tl.store(g_ptr + o_t[:, None] * M + o_pp[None, :], g_pp, mask=m_pp)
@@ -292,7 +296,7 @@ def projection_bwd_kernel(
         p_phi = phi_ptr + o_k[:, None] * M
         b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=c_ok[:, None] & m_pp, other=0.0)
         b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=c_ok[:, None] & m_res, other=0.0)
-        phi_pp_t, phi_res_t = tl.trans(b_phi_pp), tl.trans(b_phi_res)
+        phi_pp_t, phi_res_t = tl.trans(b_phi_pp.to(tl.float32)), tl.trans(b_phi_res.to(tl.float32))
 
     dphi_pp = tl.zeros([BLOCK_D, NPP], dtype=tl.float32)
     dphi_res = tl.zeros([BLOCK_D, NRES], dtype=tl.float32)
@@ -422,26 +426,28 @@ def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, 
     return block_t, block_d, waves, meta, ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part)
 
 
-def coefficients_fwd(x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, iters: int, eps: float, hc_eps: float = 0.0):
+def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
     """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens: the leading dims' product).
 
     Returns ``(x_in [..., D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
     ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
-    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, gates (one value each) and biases
-    ``[N]``, ``[N]``, ``[N, N]`` are fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid + hc_eps``
-    and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
+    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, the gates ``alpha [3]`` (``a_pre,
+    a_post, a_res``) and the biases ``bias [M]`` (``[b_pre | b_post | vec(b_res)]``) in any float
+    dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
+    hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
     """
     *lead, n, d = x.shape
     T, K, M = math.prod(lead), n * d, 2 * n + n * n
-    assert phi.shape == (K, M) and 1 <= n <= MAX_STREAMS and iters >= 1
+    assert phi.shape == (K, M) and alpha.shape == (3,) and bias.shape == (M,)
+    assert 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T == 0:
         return x_in, p, r, h_pre, h_post, z_res, h_res
     block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
-    args = (x, phi.contiguous(), a_pre, a_post, a_res, b_pre.contiguous(), b_post.contiguous(), b_res.contiguous(),
-            x_in, p, r, h_pre, h_post, z_res, h_res, T, d, eps, hc_eps)
+    args = (x, phi.contiguous(), alpha.contiguous(), bias.contiguous(), x_in, p, r, h_pre, h_post, z_res, h_res,
+            T, d, eps, hc_eps)
     launch(coefficients_fwd_kernel, (cdiv(T, block_t),), args, meta, key)
     return x_in, p, r, h_pre, h_post, z_res, h_res
 
@@ -453,7 +459,7 @@ def per_token_outputs(T: int, n: int, device):
             torch.empty((T, n), **f32), torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32))
 
 
-def coefficient_grad(x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
+def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
     """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
     the projection's gradient, the RMS term and per-program sums for the biases and gates."""
     n, d = x.shape[-2:]
@@ -465,13 +471,13 @@ def coefficient_grad(x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_po
     grid_t = cdiv(T, block_t)
     partial_bias = torch.empty((grid_t, M + 3), **f32)
     args = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-            dz_res.contiguous(), p, r, a_pre, a_post, a_res, g, c, partial_bias, T, d, hc_eps)
+            dz_res.contiguous(), p, r, alpha.contiguous(), g, c, partial_bias, T, d, hc_eps)
     launch(coefficient_grad_kernel, (grid_t,), args, meta, key)
     return g, c, partial_bias
 
 
 def coefficients_bwd(
-    x, phi, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
+    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
     hc_eps: float = 0.0,
 ):
     """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_gate [M + 3])``, ``dx``
@@ -479,8 +485,8 @@ def coefficients_bwd(
 
     ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
     coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
-    ``None``) another gradient of ``h_pre``. ``dbias_gate`` holds the gradients of the biases
-    ``[b_pre | b_post | b_res]`` then of the gates ``a_pre, a_post, a_res``. ``dx = h_pre (x) grad_x_in +
+    ``None``) another gradient of ``h_pre``. ``dbias_gate`` holds the gradient of ``bias [M]`` then
+    of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
     d(projection)/dx + grad_x_acc`` (when given), written once.
     """
     n, d = x.shape[-2:]
@@ -491,7 +497,7 @@ def coefficients_bwd(
         return torch.zeros_like(x), torch.zeros((K, M), **f32), torch.zeros((M + 3,), **f32)
     grad_x_in = grad_x_in.contiguous()
     g, c, partial_bias = coefficient_grad(
-        x, a_pre, a_post, a_res, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
+        x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
     )
     dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
