@@ -1,0 +1,138 @@
+"""A CPU model of a site's host work: everything a step does on the host, with the kernel launches
+replaced by the fast launcher's cache lookup (no kernel runs, no GPU needed).
+
+    python scripts/host_model.py site    # one HyperConnection (MLP branch) and one site of a chain of 8
+    python scripts/host_model.py fsdp    # scripts/weak_scaling.py's GPT under FSDP2 (gloo, one process)
+
+Prints the host time each site adds over the plain residual, in us. Differences between two
+versions of the package are what it is for (``PYTHONPATH=<other checkout> python ...``): absolute
+numbers depend on the machine (the H100 machines' hosts are about 5x slower than a desktop CPU).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import statistics
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # lets the fused path run on CPU tensors; launches are faked below
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mhc.kernels import _launch  # noqa: E402
+from mhc.mixing import HyperConnection  # noqa: E402
+
+KERNEL_MODULES = ("stream_mix", "mhc_coefficients", "sinkhorn", "sinkhorn_eps", "sinkhorn_tiled", "sinkhorn_implicit")
+
+
+def fake_launch(kernel, grid, args, meta, meta_key) -> None:
+    """The host part of :func:`mhc.kernels._launch.launch` on a cache hit, without the launch."""
+    _launch._CACHE.get((id(kernel), meta_key, -1, _launch._specialization(args)))
+
+
+def fake_kernels() -> None:
+    for name in KERNEL_MODULES:
+        module = importlib.import_module("mhc.kernels." + name)
+        if hasattr(module, "launch"):
+            module.launch = fake_launch
+
+
+def per_call_us(fn, calls: int, rounds: int = 5) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    times = []
+    for _ in range(rounds):
+        gc.collect()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def fused(module: nn.Module) -> nn.Module:
+    for m in module.modules():
+        if isinstance(m, HyperConnection):
+            m.backend = "triton"
+    return module
+
+
+def site_model(dim: int = 64, n: int = 4, tokens: int = 4) -> None:
+    from benchmark_mixing import MLP
+
+    torch.manual_seed(0)
+    plain_branch = MLP(dim)
+    h = torch.randn(tokens, dim, requires_grad=True)
+    site = fused(HyperConnection(dim, n, MLP(dim), init="zero"))
+    chain = fused(nn.ModuleList(HyperConnection(dim, n, MLP(dim), init="zero") for _ in range(8)))
+    x = torch.randn(tokens, n, dim, requires_grad=True)
+    grad_h, grad_x = torch.randn_like(h), torch.randn_like(x)
+
+    def plain():
+        plain_branch.zero_grad(set_to_none=True)
+        (h + plain_branch(h)).backward(grad_h)
+
+    def one_site():
+        site.zero_grad(set_to_none=True)
+        site(x).backward(grad_x)
+
+    def chained():
+        chain.zero_grad(set_to_none=True)
+        x_in, finish = chain[0].split(x)
+        for s, nxt in zip(chain[:-1], chain[1:]):
+            x_in, finish = finish(s.branch(x_in), next=nxt)
+        finish(chain[-1].branch(x_in)).backward(grad_x)
+
+    base = per_call_us(plain, 1000)
+    single, in_chain = per_call_us(one_site, 1000), per_call_us(chained, 200) / 8
+    print(f"plain residual {base:.0f} us; a site adds +{single - base:.0f} us, a site of a chain of 8 "
+          f"+{in_chain - base:.0f} us")
+
+
+def fsdp_model(dim: int = 64, layers: int = 8, seq: int = 16) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import weak_scaling
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def build(arm):
+        torch.manual_seed(0)
+        model = fused(weak_scaling.GPT(arm, vocab=256, dim=dim, layers=layers, heads=4))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        tokens = torch.randint(0, 256, (1, seq + 1))
+
+        def step():
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    times = {arm: per_call_us(build(arm), 20) for arm in weak_scaling.ARMS}
+    sites = 2 * layers
+    print(f"FSDP2 step: plain {times['plain'] / 1e3:.2f} ms; per site: "
+          + ", ".join(f"{arm} +{(times[arm] - times['plain']) / sites:.0f} us" for arm in weak_scaling.ARMS[1:]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    fake_kernels()
+    what = sys.argv[1] if len(sys.argv) > 1 else "site"
+    if what not in ("site", "fsdp"):
+        sys.exit(f"usage: python {sys.argv[0]} [site|fsdp]")
+    site_model() if what == "site" else fsdp_model()
