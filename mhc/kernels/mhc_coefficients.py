@@ -186,7 +186,8 @@ def coefficients_fwd_kernel(
         acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
 
     h_pp = coefficients_epilogue(
-        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES,
+        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
+        h_post_ptr, z_res_ptr, N, NPP, NRES,
     )
     pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_K)
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
