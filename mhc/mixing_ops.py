@@ -93,7 +93,8 @@ def _(x, phi, alpha, bias, iters, eps, hc_eps):
 
 @torch.library.custom_op("mhc::mhc_coefficients_bwd", mutates_args=())
 def _coefficients_bwd_op(
-    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor, r: torch.Tensor, h_pre: torch.Tensor, h_post: torch.Tensor,
+    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor, r: torch.Tensor,
+    h_pre: torch.Tensor, h_post: torch.Tensor,
     dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
     grad_x_acc: torch.Tensor | None, hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

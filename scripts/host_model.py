@@ -6,7 +6,8 @@ replaced by the fast launcher's cache lookup (no kernel runs, no GPU needed).
 
 Prints the host time each site adds over the plain residual, in us. Differences between two
 versions of the package are what it is for (``PYTHONPATH=<other checkout> python ...``): absolute
-numbers depend on the machine (the H100 machines' hosts are about 5x slower than a desktop CPU).
+numbers depend on the machine (the H100 machines' hosts are about 5x slower than this project's
+development machine, an AMD EPYC).
 """
 
 from __future__ import annotations

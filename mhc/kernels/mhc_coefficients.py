@@ -481,12 +481,12 @@ def coefficients_bwd(
     x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
     hc_eps: float = 0.0,
 ):
-    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_gate [M + 3])``, ``dx``
+    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
     shaped like ``x [..., N, D]``.
 
     ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
     coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
-    ``None``) another gradient of ``h_pre``. ``dbias_gate`` holds the gradient of ``bias [M]`` then
+    ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
     of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
     d(projection)/dx + grad_x_acc`` (when given), written once.
     """
