@@ -1,7 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
-                                  [coefficients] [mix-bwd] [model-profile] [n=8]
+                                  [coefficients] [coefficients-split] [mix-bwd] [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -9,6 +9,9 @@
   projection backward runs in two passes, ``projection-split``); ``coefficients``: the
   forward coefficient kernel over tile configurations at d = 4096 and 1024; n = 4 (``n=8`` as an
   argument: n = 8), 16k tokens (the launchers' config functions are replaced for the sweep);
+- ``coefficients-split``: the forward split over ``K`` (``projection_partial_kernel`` +
+  ``coefficients_finish_kernel``) over tile configurations and programs per SM, against one pass,
+  at d = 4096 and 1024, 16k and 8k tokens, with the largest difference of its outputs;
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
   (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
@@ -38,8 +41,8 @@ def _uncached():
     """Sweeps replace the launchers' config functions: forget the configurations the launchers
     cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
     _launch.FAST = False
-    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._grad_meta,
-                 mhc_coefficients._projection_meta):
+    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._split_meta,
+                 mhc_coefficients._grad_meta, mhc_coefficients._projection_meta):
         meta.cache_clear()
 
 
@@ -312,7 +315,8 @@ def sweep_coefficients():
         configs = [(64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3),
                    # 128 tokens per program: half the reads of phi from L2 (10 MiB per program at n = 8)
                    (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2)]
-    original = mhc_coefficients.coefficients_fwd_config
+    original = mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config
+    mhc_coefficients.coefficients_split_config = lambda n, d: None  # the one-pass kernel
     for dim in (4096, 1024):
         x, phi, alpha, bias = _inputs(dim, STREAMS, 16384)
         for cfg in configs:
@@ -320,7 +324,34 @@ def sweep_coefficients():
             _uncached()
             call = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
             _time(f"coefficients fwd d={dim} {cfg}", call, 2 * x.numel() * 2)
-    mhc_coefficients.coefficients_fwd_config = original
+    mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config = original
+    _uncached()
+
+
+def sweep_coefficients_split():
+    configs = [None, (128, 64, 8, 3, 4), (128, 64, 8, 3, 2), (128, 64, 4, 3, 4), (128, 128, 8, 3, 4),
+               (256, 64, 8, 3, 4), (64, 64, 4, 4, 4), (128, 64, 8, 4, 6), (128, 32, 4, 3, 4)]
+    finishes = [(64, 64, 4), (32, 128, 4), (64, 128, 8)]  # the first: with every configuration
+    original = mhc_coefficients.coefficients_split_config, mhc_coefficients.coefficients_finish_config
+    for dim in (4096, 1024):
+        for T in (16384, 8192):
+            x, phi, alpha, bias = _inputs(dim, STREAMS, T)
+            ref = None
+            for cfg in configs:
+                for fin in finishes if cfg == (128, 64, 8, 3, 4) else finishes[:1]:
+                    mhc_coefficients.coefficients_split_config = lambda n, d, cfg=cfg: cfg
+                    mhc_coefficients.coefficients_finish_config = lambda n, fin=fin: fin
+                    _uncached()
+                    call = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+                    out = call()
+                    ref = out if ref is None else ref
+                    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
+                    splits = "one pass" if cfg is None else mhc_coefficients.k_splits(
+                        T, STREAMS * dim, cfg[0], cfg[1], cfg[4], x.device)
+                    _time(f"coefficients fwd d={dim} T={T} {cfg} finish {fin} splits {splits} diff {err:.1e}",
+                          call, 2 * x.numel() * 2)
+    mhc_coefficients.coefficients_split_config, mhc_coefficients.coefficients_finish_config = original
+    _uncached()
 
 
 def sweep_mix_bwd():
@@ -381,7 +412,8 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
-                     ("coefficients", sweep_coefficients), ("model-profile", model_profile)):
+                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
+                     ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
+from mhc.kernels import mhc_coefficients
 from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
 
 DEVICE = KERNEL_DEVICE
@@ -87,6 +88,45 @@ def test_sixteen_streams_and_implicit_backward(constraint, dynamic, backward):
     fused, ref = layer_pair(5, MAX_FUSED_STREAMS, constraint, dynamic, seed=1, scale=0.2, backward=backward)
     x, grad = torch.randn(2, 3, 16, 5, device=DEVICE), torch.randn(2, 3, 16, 5, device=DEVICE)
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=5e-5, atol=5e-5)
+
+
+SPLIT_TILES = mhc_coefficients.coefficients_split_config(8, 64)  # the launcher's at n = 8
+
+
+def _forced_split(monkeypatch, split: bool):
+    """Run the coefficient forward split over K (with the tiles of n = 8) or in one pass, whatever
+    n and d."""
+    tiles = SPLIT_TILES
+    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d: tiles if split else None)
+    mhc_coefficients._split_meta.cache_clear()
+
+
+@pytest.mark.parametrize("n, dim, tokens", [(2, 40, 5), (4, 33, 70), (6, 24, 130), (8, 40, 70)])
+@pytest.mark.parametrize("hc_eps", [0.0, 1e-6])
+def test_coefficient_forward_split_over_k_matches_one_pass(n, dim, tokens, hc_eps, monkeypatch, nan_poison):
+    g = torch.Generator().manual_seed(n * dim + tokens)
+    K, M = n * dim, 2 * n + n * n
+    x = torch.randn(tokens, n, dim, generator=g).to(DEVICE)
+    phi = (torch.randn(K, M, generator=g) / K**0.5).to(DEVICE)
+    alpha, bias = (torch.rand(3, generator=g) + 0.5).to(DEVICE), (0.1 * torch.randn(M, generator=g)).to(DEVICE)
+    block_t, block_k, _, _, waves = SPLIT_TILES
+    splits, _ = mhc_coefficients.k_splits(tokens, K, block_t, block_k, waves, x.device)
+    assert splits > 1  # the partial sums of several programs are added
+    outputs = {}
+    for split in (False, True):
+        _forced_split(monkeypatch, split)
+        outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
+    mhc_coefficients._split_meta.cache_clear()
+    for name, got, want in zip(("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res"), outputs[True], outputs[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@given(tokens=st.integers(1, 10**6), K=st.integers(1, 10**5), block_t=st.sampled_from([32, 64, 128]),
+       block_k=st.sampled_from([16, 64, 128]), waves=st.integers(1, 8))
+def test_k_splits_cover_the_columns_once(tokens, K, block_t, block_k, waves):
+    splits, k_split = mhc_coefficients.k_splits(tokens, K, block_t, block_k, waves, torch.device(DEVICE))
+    assert splits >= 1 and k_split % block_k == 0
+    assert (splits - 1) * k_split < K <= splits * k_split  # every column in one split, none empty
 
 
 def test_more_streams_than_the_kernels_take():

@@ -16,6 +16,13 @@ projection first and a block of tokens (``BLOCK_T * N * D`` values) does not fit
 sizes, so ``x`` is read twice; the second pass walks the chunks backwards, so the most recently
 read come from L2.
 
+At n = 5..8, and at n <= 4 where ``n * d >= 16384``, the projection is split over ``K``: programs
+over (tile of 128 tokens, range of columns) write partial projections and sums of squares
+(``projection_partial_kernel``), and ``coefficients_finish_kernel`` adds them in a fixed order,
+then runs the same epilogue, pre-mix and Sinkhorn core. Every tile of tokens reads all of ``phi``
+(10 MiB at d = 4096, n = 8) from L2: wider tiles read it fewer times, and the split keeps the SMs
+busy with fewer of them.
+
 The backward is split in two passes because the input gradient of the projection needs every
 coefficient's gradient first:
 
@@ -148,6 +155,37 @@ def sinkhorn_epilogue(
     _store_rows(h_res_ptr, offs, m, h_res, N)
 
 
+@triton.jit
+def project_tokens(
+    x_ptr, phi_ptr, o_t, t_ok, k_begin, k_end, K,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``(acc_pp, acc_res, sum_sq)``: the projection ``v @ phi`` of the tokens ``o_t`` over the
+    columns ``[k_begin, k_end)`` of ``v``, split into its ``[pre | post]`` and ``res`` column tiles,
+    and the sum of squares of the same columns."""
+    M: tl.constexpr = 2 * N + N * N
+    o_pp = tl.arange(0, NPP)
+    o_res = tl.arange(0, NRES)
+    m_res = o_res < N * N
+    acc_pp = tl.zeros([BLOCK_T, NPP], dtype=tl.float32)
+    acc_res = tl.zeros([BLOCK_T, NRES], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = o_k < k_end
+        b_x = tl.load(x_ptr + o_t[:, None] * K + o_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        b_xf = b_x.to(tl.float32)
+        sum_sq += tl.sum(b_xf * b_xf, axis=1)
+        p_phi = phi_ptr + o_k[:, None] * M
+        b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=k_ok[:, None] & (o_pp < 2 * N)[None, :], other=0.0)
+        b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=k_ok[:, None] & m_res[None, :], other=0.0)
+        b_phi_pp, b_phi_res = b_phi_pp.to(tl.float32), b_phi_res.to(tl.float32)
+        acc_pp += _dot_fp32(b_x, b_phi_pp, SPLIT_BF16)
+        acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
+    return acc_pp, acc_res, sum_sq
+
+
 @triton.jit(do_not_specialize=["T", "eps", "hc_eps"])
 def coefficients_fwd_kernel(
     # pointers: streams x [T, N, D]; phi [N * D, M], gates alpha [3] = (a_pre, a_post, a_res) and
@@ -160,36 +198,70 @@ def coefficients_fwd_kernel(
     N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
     HAS_EPS: tl.constexpr, SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    M: tl.constexpr = 2 * N + N * N
     K = N * D
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
-    o_pp = tl.arange(0, NPP)
-    o_res = tl.arange(0, NRES)
-    m_res = o_res < N * N
-
-    acc_pp = tl.zeros([BLOCK_T, NPP], dtype=tl.float32)
-    acc_res = tl.zeros([BLOCK_T, NRES], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = o_k < K
-        b_x = tl.load(x_ptr + o_t[:, None] * K + o_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        b_xf = b_x.to(tl.float32)
-        sum_sq += tl.sum(b_xf * b_xf, axis=1)
-        p_phi = phi_ptr + o_k[:, None] * M
-        b_phi_pp = tl.load(p_phi + o_pp[None, :], mask=k_ok[:, None] & (o_pp < 2 * N)[None, :], other=0.0)
-        b_phi_res = tl.load(p_phi + 2 * N + o_res[None, :], mask=k_ok[:, None] & m_res[None, :], other=0.0)
-        b_phi_pp, b_phi_res = b_phi_pp.to(tl.float32), b_phi_res.to(tl.float32)
-        acc_pp += _dot_fp32(b_x, b_phi_pp, SPLIT_BF16)
-        acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
-
+    acc_pp, acc_res, sum_sq = project_tokens(
+        x_ptr, phi_ptr, o_t, t_ok, 0, K, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K)
     h_pp = coefficients_epilogue(
         acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
         h_post_ptr, z_res_ptr, N, NPP, NRES,
     )
     pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_K)
+    sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
+
+
+@triton.jit(do_not_specialize=["T"])
+def projection_partial_kernel(
+    # x [T, N, D] -> partial [splits, T, NPP + NRES + 1] fp32: per split the [pre | post] and res
+    # tiles of the projection over its columns, then the sum of squares
+    x_ptr, phi_ptr, partial_ptr, T, D, k_split,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    W: tl.constexpr = NPP + NRES + 1
+    K = N * D
+    i_s = tl.program_id(1)
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = o_t < T
+    k_begin = i_s * k_split
+    acc_pp, acc_res, sum_sq = project_tokens(
+        x_ptr, phi_ptr, o_t, t_ok, k_begin, tl.minimum(k_begin + k_split, K), K, N, NPP, NRES, SPLIT_BF16,
+        BLOCK_T, BLOCK_K)
+    row = partial_ptr + (o_t + i_s * T) * W
+    tl.store(row[:, None] + tl.arange(0, NPP)[None, :], acc_pp, mask=t_ok[:, None])
+    tl.store(row[:, None] + NPP + tl.arange(0, NRES)[None, :], acc_res, mask=t_ok[:, None])
+    tl.store(row + NPP + NRES, sum_sq, mask=t_ok)
+
+
+@triton.jit(do_not_specialize=["T", "splits", "eps", "hc_eps"])
+def coefficients_finish_kernel(
+    # the coefficient forward's epilogue after projection_partial_kernel: arguments as
+    # coefficients_fwd_kernel's, with partial [splits, T, NPP + NRES + 1] in place of phi
+    x_ptr, partial_ptr, alpha_ptr, bias_ptr,
+    x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
+    T, D, splits, eps, hc_eps,
+    N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
+    HAS_EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    W: tl.constexpr = NPP + NRES + 1
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = o_t < T
+    acc_pp = tl.zeros([BLOCK_T, NPP], dtype=tl.float32)
+    acc_res = tl.zeros([BLOCK_T, NRES], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i_s in range(splits):  # in a fixed order: deterministic
+        row = partial_ptr + (o_t + i_s * T) * W
+        acc_pp += tl.load(row[:, None] + tl.arange(0, NPP)[None, :], mask=t_ok[:, None], other=0.0)
+        acc_res += tl.load(row[:, None] + NPP + tl.arange(0, NRES)[None, :], mask=t_ok[:, None], other=0.0)
+        sum_sq += tl.load(row + NPP + NRES, mask=t_ok, other=0.0)
+    h_pp = coefficients_epilogue(
+        acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
+        h_post_ptr, z_res_ptr, N, NPP, NRES,
+    )
+    pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
@@ -361,12 +433,42 @@ def dx_precision(x: torch.Tensor, n: int) -> str:
 
 
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection."""
+    """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection in one pass."""
     if 4 < n <= 8:  # measured on an H100 at n = 8: 1.51 ms against 2.73 ms for (32, 64, 4, 3)
         return 64, 64, 4, 4
     cols = _columns(n)
     block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
     return (64 if n <= 4 else 16), block_k, 4, 3
+
+
+def coefficients_split_config(n: int, d: int) -> tuple[int, int, int, int, int] | None:
+    """``(BLOCK_T, BLOCK_K, num_warps, num_stages, waves)`` of the forward split over ``K``
+    (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
+
+    H100, bf16, 16k / 8k tokens (``python scripts/tune_mixing.py coefficients-split [n=8]``,
+    docs/benchmarks/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
+    1.51 / 1.09 ms to 1.05 / 0.54 ms and d = 1024 from 0.39 / 0.28 to 0.30 / 0.28; at n = 4,
+    d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13: there
+    n <= 4 keeps one pass."""
+    if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
+        return 128, 64, 8, 3, 4
+    return None
+
+
+def coefficients_finish_config(n: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles, twice
+    the programs of 64-token ones (n = 8, d = 1024, 8k tokens: 0.28 against 0.33 ms for the
+    forward; within 3% of each other in the sweep's other cases)."""
+    return 32, 128, 4
+
+
+def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> tuple[int, int]:
+    """``(splits, k_split)``: about ``waves`` programs per SM over ``cdiv(T, block_t)`` token
+    tiles, each split ``k_split`` columns wide (a multiple of ``block_k``)."""
+    tiles, chunks = cdiv(T, block_t), cdiv(K, block_k)
+    splits = max(1, min(chunks, round(waves * sm_count(device) / tiles)))
+    k_split = cdiv(chunks, splits) * block_k
+    return cdiv(K, k_split), k_split
 
 
 def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
@@ -411,6 +513,18 @@ def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
 
 
 @functools.cache
+def _split_meta(n: int, d: int, iters: int, has_eps: bool, split_bf16: bool):
+    block_t, block_k, num_warps, num_stages, waves = coefficients_split_config(n, d)
+    partial = dict(**_columns(n), SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
+                   num_stages=num_stages)
+    finish_t, finish_d, finish_warps = coefficients_finish_config(n)
+    finish = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
+                  BLOCK_D=finish_d, num_warps=finish_warps)
+    return (block_t, block_k, waves, partial, ("projection_partial", n, d, split_bf16),
+            finish_t, finish, ("coefficients_finish", n, iters, has_eps))
+
+
+@functools.cache
 def _grad_meta(n: int, d: int, has_dh_pre: bool):
     block_t, block_d = 8, min(128, next_pow2(d))
     meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
@@ -446,11 +560,22 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
     if T == 0:
         return x_in, p, r, h_pre, h_post, z_res, h_res
-    block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
-    args = (x, phi.contiguous(), alpha.contiguous(), bias.contiguous(), x_in, p, r, h_pre, h_post, z_res, h_res,
-            T, d, eps, hc_eps)
-    launch(coefficients_fwd_kernel, (cdiv(T, block_t),), args, meta, key)
-    return x_in, p, r, h_pre, h_post, z_res, h_res
+    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
+    outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
+    if coefficients_split_config(n, d) is None:
+        block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
+        launch(coefficients_fwd_kernel, (cdiv(T, block_t),), (x, phi, alpha, bias, *outputs, T, d, eps, hc_eps),
+               meta, key)
+        return outputs
+    block_t, block_k, waves, meta, key, finish_t, finish_meta, finish_key = _split_meta(
+        n, d, iters, hc_eps > 0, _split_bf16(x))
+    splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
+    cols = _columns(n)
+    partial = torch.empty((splits, T, cols["NPP"] + cols["NRES"] + 1), dtype=torch.float32, device=x.device)
+    launch(projection_partial_kernel, (cdiv(T, block_t), splits), (x, phi, partial, T, d, k_split), meta, key)
+    launch(coefficients_finish_kernel, (cdiv(T, finish_t),),
+           (x, partial, alpha, bias, *outputs, T, d, splits, eps, hc_eps), finish_meta, finish_key)
+    return outputs
 
 
 def per_token_outputs(T: int, n: int, device):
