@@ -113,10 +113,12 @@ def test_coefficient_forward_split_over_k_matches_one_pass(n, dim, tokens, hc_ep
     splits, _ = mhc_coefficients.k_splits(tokens, K, block_t, block_k, waves, x.device)
     assert splits > 1  # the partial sums of several programs are added
     outputs = {}
-    for split in (False, True):
-        _forced_split(monkeypatch, split)
-        outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
-    mhc_coefficients._split_meta.cache_clear()
+    try:
+        for split in (False, True):
+            _forced_split(monkeypatch, split)
+            outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
+    finally:  # no launch configuration of the forced paths outlives the test
+        mhc_coefficients._split_meta.cache_clear()
     for name, got, want in zip(("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res"), outputs[True], outputs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -516,13 +516,19 @@ def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
 
 @functools.cache
 def _split_meta(n: int, d: int, iters: int, has_eps: bool, split_bf16: bool):
-    block_t, block_k, num_warps, num_stages, waves = coefficients_split_config(n, d)
-    partial = dict(**_columns(n), SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
+    """The launches of a forward split over ``K``, or ``None`` where it runs in one pass."""
+    config = coefficients_split_config(n, d)
+    if config is None:
+        return None
+    block_t, block_k, num_warps, num_stages, waves = config
+    cols = _columns(n)
+    partial = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
                    num_stages=num_stages)
     finish_t, finish_d, finish_warps = coefficients_finish_config(n)
-    finish = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
+    finish = dict(**cols, NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
                   BLOCK_D=finish_d, num_warps=finish_warps)
-    return (block_t, block_k, waves, partial, ("projection_partial", n, d, split_bf16),
+    width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
+    return (block_t, block_k, waves, width, partial, ("projection_partial", n, d, split_bf16),
             finish_t, finish, ("coefficients_finish", n, iters, has_eps))
 
 
@@ -564,16 +570,15 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
         return x_in, p, r, h_pre, h_post, z_res, h_res
     phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
     outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
-    if coefficients_split_config(n, d) is None:
+    split = _split_meta(n, d, iters, hc_eps > 0, _split_bf16(x))
+    if split is None:
         block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
         launch(coefficients_fwd_kernel, (cdiv(T, block_t),), (x, phi, alpha, bias, *outputs, T, d, eps, hc_eps),
                meta, key)
         return outputs
-    block_t, block_k, waves, meta, key, finish_t, finish_meta, finish_key = _split_meta(
-        n, d, iters, hc_eps > 0, _split_bf16(x))
+    block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
     splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
-    cols = _columns(n)
-    partial = torch.empty((splits, T, cols["NPP"] + cols["NRES"] + 1), dtype=torch.float32, device=x.device)
+    partial = torch.empty((splits, T, width), dtype=torch.float32, device=x.device)
     launch(projection_partial_kernel, (cdiv(T, block_t), splits), (x, phi, partial, T, d, k_split), meta, key)
     launch(coefficients_finish_kernel, (cdiv(T, finish_t),),
            (x, partial, alpha, bias, *outputs, T, d, splits, eps, hc_eps), finish_meta, finish_key)
