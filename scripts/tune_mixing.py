@@ -1,8 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
-                                  [coefficients] [coefficients-split] [seam] [mix-bwd] [model-profile]
-                                  [n=8]
+                                  [coefficients] [coefficients-split] [mix-bwd] [model-profile] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -13,9 +12,6 @@
 - ``coefficients-split``: the forward split over ``K`` (``projection_partial_kernel`` +
   ``coefficients_finish_kernel``) over tile configurations and programs per SM, against one pass,
   at d = 4096 and 1024, 16k and 8k tokens, with the largest difference of its outputs;
-- ``seam``: the seam forward (``mhc.kernels.mhc_seam``) over tile configurations and programs per
-  SM, against the post-mix followed by the coefficient forward, at d = 4096 and 1024, 16k and 8k
-  tokens;
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
   (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
@@ -46,7 +42,6 @@ def _uncached():
     cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
     _launch.FAST = False
     for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._split_meta,
-                 mhc_coefficients._finish_meta,
                  mhc_coefficients._grad_meta, mhc_coefficients._projection_meta):
         meta.cache_clear()
 
@@ -359,44 +354,6 @@ def sweep_coefficients_split():
     _uncached()
 
 
-def sweep_seam():
-    """The seam forward (``post_mix_partial_kernel`` + ``coefficients_finish_kernel``) over tile
-    configurations and programs per SM, against the post-mix followed by the coefficient forward
-    (``None``), at d = 4096 and 1024, 16k and 8k tokens, with the largest difference of its outputs."""
-    from mhc.kernels import mhc_seam
-
-    configs = [None]  # the configurations of the runs in docs/benchmarks/mixing_seam_split_h100.log
-    configs += [(64, 64, 4, 2, 4), (64, 32, 4, 2, 4), (32, 64, 4, 2, 4), (64, 64, 8, 2, 4), (128, 32, 8, 2, 4),
-                (32, 32, 4, 2, 4), (16, 64, 4, 2, 4)]
-    for hoist in (True, False):
-        configs += [(64, 32, 4, 2, 4, hoist), (64, 16, 4, 2, 4, hoist), (64, 32, 4, 3, 4, hoist),
-                    (32, 32, 2, 2, 4, hoist), (64, 16, 2, 2, 6, hoist)]
-    configs += [(64, 32, 4, stages, 4, True, True) for stages in (3, 4, 5, 6)]
-    configs += [(128, 32, 8, 3, 4, True, True), (64, 32, 4, 3, 2, True, True)]
-    original = mhc_seam.seam_config
-    for dim in (4096, 1024):
-        for T in (16384, 8192):
-            x, phi, alpha, bias = _inputs(dim, STREAMS, T)
-            y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-            h_res = torch.rand(T, STREAMS, STREAMS, device="cuda") / STREAMS
-            h_post = torch.rand(T, STREAMS, device="cuda")
-            ref = None
-            for cfg in configs:
-                mhc_seam.seam_config = lambda n, d, cfg=cfg: cfg
-                mhc_seam._seam_meta.cache_clear()
-                _uncached()
-                call = lambda: kernels.seam_fwd(x, y, h_post, h_res, phi, alpha, bias, 20, 1e-6)
-                out = call()
-                ref = out if ref is None else ref
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
-                splits = "composed" if cfg is None else mhc_coefficients.k_splits(T, dim, cfg[0], cfg[1], cfg[4], x.device)
-                _time(f"seam fwd d={dim} T={T} {cfg} splits {splits} diff {err:.1e}", call,
-                      3 * x.numel() * 2 + 2 * y.numel() * 2)
-    mhc_seam.seam_config = original
-    mhc_seam._seam_meta.cache_clear()
-    _uncached()
-
-
 def sweep_mix_bwd():
     """Post + residual backward (N_OUT = n) at d = 4096, n = 6 and 8: unrolled stream tiles against
     the wide 3-D path (streams padded to 16 for its batched dot), over tile shapes."""
@@ -456,7 +413,6 @@ if __name__ == "__main__":
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
-                     ("seam", sweep_seam),
                      ("model-profile", model_profile)):
         if name in todo:
             print(f"# {name}", flush=True)

@@ -425,32 +425,3 @@ def test_stream_collapse_fused_matches_reference(eps, nan_poison):
     torch.testing.assert_close(fused(x), (h[..., None] * x).sum(-2), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"\[\.\.\., 4, 10\]"):
         fused(torch.zeros(3, 5, 10, device=DEVICE))
-
-
-@pytest.mark.parametrize("n, dim, tokens, tiles", [
-    (1, 7, 5, (16, 16, 4, 2, 4)), (4, 40, 70, (16, 16, 4, 2, 4)), (4, 72, 64, (16, 16, 4, 2, 2, True, True)),
-    (6, 33, 20, (16, 16, 4, 2, 4, False)), (8, 72, 20, (16, 16, 4, 2, 4, True, True)),
-])
-@pytest.mark.parametrize("static", [False, True])
-def test_seam_forward_matches_post_mix_then_coefficients(n, dim, tokens, tiles, static, monkeypatch, nan_poison):
-    """The seam forward split over channels (several splits, several chunks a split) against the
-    post-mix followed by the coefficient forward."""
-    from mhc.kernels import mhc_seam, stream_mix
-
-    g = torch.Generator().manual_seed(n * dim + tokens)
-    K, M = n * dim, 2 * n + n * n
-    x, y = torch.randn(tokens, n, dim, generator=g).to(DEVICE), torch.randn(tokens, dim, generator=g).to(DEVICE)
-    h_res = torch.rand(1 if static else tokens, n, n, generator=g).to(DEVICE).expand(tokens, n, n)
-    h_post = torch.rand(tokens, n, generator=g).to(DEVICE)
-    phi = (torch.randn(K, M, generator=g) / K**0.5).to(DEVICE)
-    alpha, bias = (torch.rand(3, generator=g) + 0.5).to(DEVICE), (0.1 * torch.randn(M, generator=g)).to(DEVICE)
-    monkeypatch.setattr(mhc_seam, "seam_config", lambda n, d: tiles)
-    mhc_seam._seam_meta.cache_clear()
-    try:
-        got = mhc_seam.seam_fwd(x, y, h_post, h_res, phi, alpha, bias, 20, 1e-6, 1e-3)
-    finally:
-        mhc_seam._seam_meta.cache_clear()
-    x_next = stream_mix.stream_mix_fwd(x, h_res, y, h_post)
-    want = (x_next, *mhc_coefficients.coefficients_fwd(x_next, phi, alpha, bias, 20, 1e-6, 1e-3))
-    for name, a, b in zip(("x_next", "x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res"), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")

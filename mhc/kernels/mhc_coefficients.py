@@ -212,16 +212,6 @@ def coefficients_fwd_kernel(
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
-@triton.jit
-def store_partial(partial_ptr, i_s, o_t, t_ok, T, acc_pp, acc_res, sum_sq, NPP: tl.constexpr, NRES: tl.constexpr):
-    """Split ``i_s``'s rows of ``partial [splits, T, NPP + NRES + 1]`` for the tokens ``o_t``: the
-    ``[pre | post]`` and res tiles of a partial projection, then the partial sum of squares."""
-    row = partial_ptr + (o_t + i_s * T) * (NPP + NRES + 1)
-    tl.store(row[:, None] + tl.arange(0, NPP)[None, :], acc_pp, mask=t_ok[:, None])
-    tl.store(row[:, None] + NPP + tl.arange(0, NRES)[None, :], acc_res, mask=t_ok[:, None])
-    tl.store(row + NPP + NRES, sum_sq, mask=t_ok)
-
-
 @triton.jit(do_not_specialize=["T"])
 def projection_partial_kernel(
     # x [T, N, D] -> partial [splits, T, NPP + NRES + 1] fp32: per split the [pre | post] and res
@@ -230,6 +220,7 @@ def projection_partial_kernel(
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, SPLIT_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    W: tl.constexpr = NPP + NRES + 1
     K = N * D
     i_s = tl.program_id(1)
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -238,7 +229,10 @@ def projection_partial_kernel(
     acc_pp, acc_res, sum_sq = project_tokens(
         x_ptr, phi_ptr, o_t, t_ok, k_begin, tl.minimum(k_begin + k_split, K), K, N, NPP, NRES, SPLIT_BF16,
         BLOCK_T, BLOCK_K)
-    store_partial(partial_ptr, i_s, o_t, t_ok, T, acc_pp, acc_res, sum_sq, NPP, NRES)
+    row = partial_ptr + (o_t + i_s * T) * W
+    tl.store(row[:, None] + tl.arange(0, NPP)[None, :], acc_pp, mask=t_ok[:, None])
+    tl.store(row[:, None] + NPP + tl.arange(0, NRES)[None, :], acc_res, mask=t_ok[:, None])
+    tl.store(row + NPP + NRES, sum_sq, mask=t_ok)
 
 
 @triton.jit(do_not_specialize=["T", "splits", "eps", "hc_eps"])
@@ -520,31 +514,22 @@ def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
     return block_t, meta, ("coefficients_fwd", n, iters, has_eps, split_bf16)
 
 
-def partial_width(n: int) -> int:
-    """Width of a row of partial projections: the ``[pre | post]`` tile, the res tile, the sum of squares."""
-    cols = _columns(n)
-    return cols["NPP"] + cols["NRES"] + 1
-
-
 @functools.cache
-def _split_meta(n: int, d: int, split_bf16: bool):
-    """``projection_partial_kernel``'s launch of a forward split over ``K``, or ``None`` where the
-    forward runs in one pass."""
+def _split_meta(n: int, d: int, iters: int, has_eps: bool, split_bf16: bool):
+    """The launches of a forward split over ``K``, or ``None`` where it runs in one pass."""
     config = coefficients_split_config(n, d)
     if config is None:
         return None
     block_t, block_k, num_warps, num_stages, waves = config
-    meta = dict(**_columns(n), SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
-                num_stages=num_stages)
-    return block_t, block_k, waves, meta, ("projection_partial", n, d, split_bf16)
-
-
-@functools.cache
-def _finish_meta(n: int, iters: int, has_eps: bool):
-    block_t, block_d, num_warps = coefficients_finish_config(n)
-    meta = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=block_t, BLOCK_D=block_d,
-                num_warps=num_warps)
-    return block_t, meta, ("coefficients_finish", n, iters, has_eps)
+    cols = _columns(n)
+    partial = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
+                   num_stages=num_stages)
+    finish_t, finish_d, finish_warps = coefficients_finish_config(n)
+    finish = dict(**cols, NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
+                  BLOCK_D=finish_d, num_warps=finish_warps)
+    width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
+    return (block_t, block_k, waves, width, partial, ("projection_partial", n, d, split_bf16),
+            finish_t, finish, ("coefficients_finish", n, iters, has_eps))
 
 
 @functools.cache
@@ -580,36 +565,23 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
     assert 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
-    split = _split_meta(n, d, _split_bf16(x)) if T > 0 else None
-    if split is not None:
-        block_t, block_k, waves, meta, key = split
-        splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
-        partial = torch.empty((splits, T, partial_width(n)), dtype=torch.float32, device=x.device)
-        launch(projection_partial_kernel, (cdiv(T, block_t), splits), (x, phi.contiguous(), partial, T, d, k_split),
-               meta, key)
-        return coefficients_finish(x, partial, alpha, bias, iters, eps, hc_eps, x_in)
-    outputs = (x_in, *per_token_outputs(T, n, x.device))
-    if T > 0:
+    p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
+    if T == 0:
+        return x_in, p, r, h_pre, h_post, z_res, h_res
+    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
+    outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
+    split = _split_meta(n, d, iters, hc_eps > 0, _split_bf16(x))
+    if split is None:
         block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
-        args = (x, phi.contiguous(), alpha.contiguous(), bias.contiguous(), *outputs, T, d, eps, hc_eps)
-        launch(coefficients_fwd_kernel, (cdiv(T, block_t),), args, meta, key)
-    return outputs
-
-
-def coefficients_finish(x, partial, alpha, bias, iters: int, eps: float, hc_eps: float, x_in=None):
-    """The coefficient forward's outputs (as :func:`coefficients_fwd`'s) from contiguous streams
-    ``x [..., N, D]`` and their partial projections ``partial [splits, T, partial_width(N)]``
-    (fp32, written by ``projection_partial_kernel`` or the seam's post-mix); ``x_in`` may be given
-    preallocated."""
-    *lead, n, d = x.shape
-    T = math.prod(lead)
-    if x_in is None:
-        x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
-    outputs = (x_in, *per_token_outputs(T, n, x.device))
-    block_t, meta, key = _finish_meta(n, iters, hc_eps > 0)
-    launch(coefficients_finish_kernel, (cdiv(T, block_t),),
-           (x, partial, alpha.contiguous(), bias.contiguous(), *outputs, T, d, partial.shape[0], eps, hc_eps),
-           meta, key)
+        launch(coefficients_fwd_kernel, (cdiv(T, block_t),), (x, phi, alpha, bias, *outputs, T, d, eps, hc_eps),
+               meta, key)
+        return outputs
+    block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
+    splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
+    partial = torch.empty((splits, T, width), dtype=torch.float32, device=x.device)
+    launch(projection_partial_kernel, (cdiv(T, block_t), splits), (x, phi, partial, T, d, k_split), meta, key)
+    launch(coefficients_finish_kernel, (cdiv(T, finish_t),),
+           (x, partial, alpha, bias, *outputs, T, d, splits, eps, hc_eps), finish_meta, finish_key)
     return outputs
 
 
