@@ -25,7 +25,7 @@ def _scaled(sites, dim):
 def _is_sum_over_tokens(k):
     """The gates' and the biases' gradients: a few numbers, each one sum over every
     token, whose error is a single draw of many roundings (docs/mixing.md, "Accuracy")."""
-    return any(k.endswith(name) for name in ("alpha", "bias")) and ".branch." not in k
+    return k.endswith(("alpha", "bias")) and ".branch." not in k
 
 
 @pytest.mark.parametrize("dim, n, hc_eps", [(1000, 4, 0.0), (1536, 8, 0.0), (4096, 4, 1e-6), (96, 2, 0.0)])
