@@ -2,6 +2,7 @@
 replaced by the fast launcher's cache lookup (no kernel runs, no GPU needed).
 
     python scripts/host_model.py site    # one HyperConnection (MLP branch) and one site of a chain of 8
+    python scripts/host_model.py floor   # the same with the launchers reduced to allocating their outputs
     python scripts/host_model.py fsdp    # scripts/weak_scaling.py's GPT under FSDP2 (gloo, one process)
 
 Prints the host time each site adds over the plain residual, in us. Differences between two
@@ -42,6 +43,35 @@ def fake_kernels() -> None:
         module = importlib.import_module("mhc.kernels." + name)
         if hasattr(module, "launch"):
             module.launch = fake_launch
+
+
+class OutputsOnly:
+    """Launchers that only allocate their outputs (shapes and dtypes taken from one real call):
+    what a site costs on the host with no launcher work at all, the floor of its structure
+    (autograd Functions, saved tensors, parameter gradients, the layer's Python)."""
+
+    def __init__(self, launchers, **more):
+        self.launchers, self.more, self.templates = launchers, more, {}
+
+    def _call(self, name, *args):
+        if name not in self.templates:
+            real = self.more[name] if name in self.more else getattr(self.launchers, name)
+            self.templates[name] = real(*args)
+        out = self.templates[name]
+        if isinstance(out, torch.Tensor):
+            return torch.empty_like(out)
+        return tuple(None if t is None else torch.empty_like(t) for t in out)
+
+    def __getattr__(self, name):
+        return lambda *args: self._call(name, *args)
+
+
+def outputs_only_launchers() -> None:
+    from mhc import layer, mixing_ops
+
+    stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch)
+    mixing_ops._EAGER = stub
+    mixing_ops.sinkhorn_bwd_launch = lambda *args: stub._call("sinkhorn_bwd", *args)
 
 
 def per_call_us(fn, calls: int, rounds: int = 5) -> float:
@@ -134,6 +164,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     fake_kernels()
     what = sys.argv[1] if len(sys.argv) > 1 else "site"
-    if what not in ("site", "fsdp"):
-        sys.exit(f"usage: python {sys.argv[0]} [site|fsdp]")
-    site_model() if what == "site" else fsdp_model()
+    if what not in ("site", "floor", "fsdp"):
+        sys.exit(f"usage: python {sys.argv[0]} [site|floor|fsdp]")
+    if what == "floor":
+        outputs_only_launchers()
+    fsdp_model() if what == "fsdp" else site_model()
