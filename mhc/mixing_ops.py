@@ -136,6 +136,10 @@ def _launchers():
 # Each Function takes the streams with their leading dims and flattens inside, where autograd
 # records nothing (no view nodes around the ops), and returns tensors that are not views (an
 # output that is a view of a tensor made inside a Function cannot be modified in place).
+# Streams are made contiguous once, where they enter a Function, and that copy is what the
+# kernels read, what is saved and what is passed on (``x_pass``): streams from
+# ``expand_streams`` are a stride-0 view, which every launcher would otherwise copy again (four
+# stream-sized copies per step at the first site, forward and backward).
 # ``set_materialize_grads(False)``: an unused output's gradient arrives as ``None`` instead of a
 # tensor of zeros made and filled for nothing.
 
@@ -152,6 +156,7 @@ class PreMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h_pre):
         ctx.set_materialize_grads(False)
+        x = x.contiguous()
         x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
         ctx.save_for_backward(x, h_pre)
         return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x
@@ -174,6 +179,7 @@ class PostMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, h_post, h_res):
         ctx.set_materialize_grads(False)
+        x = x.contiguous()
         ctx.save_for_backward(x, y, h_post, h_res)
         return _launchers().stream_mix_fwd(x, h_res, y, h_post)
 
@@ -233,6 +239,7 @@ class MHCPreMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps):
         params = (phi, alpha, bias)
+        x = x.contiguous()
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
         _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps))
         return x_in, outputs[2], outputs[3], outputs[5], x
@@ -266,6 +273,7 @@ class MHCSeamFunction(torch.autograd.Function):
     def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps):
         params = (phi, alpha, bias)
         run = _launchers()
+        x = x.contiguous()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
         _save_coefficients(ctx, x_next, params, outputs, (iters, backward, eps, hc_eps), x, y, h_post_l, h_res_l)

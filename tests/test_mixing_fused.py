@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
@@ -260,6 +261,45 @@ def test_branch_may_modify_its_input_in_place():
 class InPlaceScale(nn.Module):
     def forward(self, h):
         return h.mul_(2.0)
+
+
+class CopiesOf(TorchDispatchMode):
+    """Counts the aten copies (``clone``, ``copy_``, ``_to_copy``) that read ``source``'s memory
+    with ``source``'s strides, forward and backward."""
+
+    COPIES = (torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+
+    def __init__(self, source: torch.Tensor):
+        super().__init__()
+        self.key, self.count = (source.data_ptr(), source.stride()), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.COPIES:
+            self.count += sum(isinstance(a, torch.Tensor) and (a.data_ptr(), a.stride()) == self.key for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
+@pytest.mark.parametrize("chained", [False, True])
+def test_expanded_streams_are_copied_once(constraint, dynamic, chained):
+    """``expand_streams`` gives a stride-0 view; the fused path copies it once, where it enters the
+    site, and the kernels, the saved tensors and the post-mix use that copy (the launchers used to
+    copy it again in the post-mix and in both backward passes: four copies)."""
+    fused, _ = layer_pair(8, 4, constraint, dynamic, seed=3)
+    second, _ = layer_pair(8, 4, constraint, dynamic, seed=4)
+    h = torch.randn(2, 5, 8, device=DEVICE, requires_grad=True)
+    x = expand_streams(h, 4)
+    assert x.stride(-2) == 0
+    with CopiesOf(x) as copies:
+        if chained:
+            x_in, finish = fused.split(x)
+            x_in, finish = finish(fused.branch(x_in), next=second)
+            out = finish(second.branch(x_in))
+        else:
+            out = fused(x)
+        out.backward(torch.randn_like(out))
+    assert copies.count == 1
+    assert h.grad is not None and h.grad.abs().sum() > 0
 
 
 def _graph_nodes(t: torch.Tensor) -> set:
