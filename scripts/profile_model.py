@@ -1,0 +1,76 @@
+"""Where a GPT training step's GPU time goes: CUDA kernel time per step by kernel, for the plain
+and the mHC arm of ``examples/benchmark_mixing.py``'s GPT, eager and compiled.
+
+    python scripts/profile_model.py [--model 4096] [--steps 3] [--rows 45] [--out profile_model.txt]
+
+Each arm runs 5 steps, then ``--steps`` steps under ``torch.profiler``; the table lists the
+kernels with the most time per step (ms) and how often each runs per step. Comparing the arms'
+tables shows what the hyper-connections add besides their own kernels (copies, lost fusions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import benchmark_mixing as bench  # noqa: E402
+
+
+def kernel_times(arm: str, config: dict, compiled: bool, steps: int, seq: int = 2048):
+    """``(ms per step, calls per step)`` of every CUDA kernel of one arm's training step."""
+    torch.manual_seed(0)
+    model = bench.GPT(arm, dim=config["dim"], layers=config["layers"], heads=config["heads"]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    run = torch.compile(model) if compiled else model
+    tokens = torch.randint(0, 32768, (config["batch"], seq), device="cuda")
+    targets = torch.randint(0, 32768, (config["batch"], seq), device="cuda")
+
+    def step():
+        run(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ms, calls = collections.Counter(), collections.Counter()
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0:
+            ms[event.key] += event.self_device_time_total / steps / 1e3
+            calls[event.key] += event.count / steps
+    return ms, calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="4096", choices=sorted(bench.MODELS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=45)
+    p.add_argument("--out", default="profile_model.txt")
+    args = p.parse_args()
+    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT {args.model}: "
+             f"{bench.MODELS[args.model]}, CUDA kernel time per step over {args.steps} profiled steps"]
+    for compiled in (False, True):
+        for arm in ("plain", "mhc"):
+            ms, calls = kernel_times(arm, bench.MODELS[args.model], compiled, args.steps)
+            lines.append(f"== {'compiled' if compiled else 'eager'} {arm}: {sum(ms.values()):.2f} ms per step")
+            lines += [f"  {t:8.3f} ms  {calls[k]:5.1f}x  {k[:110]}" for k, t in ms.most_common(args.rows)]
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
