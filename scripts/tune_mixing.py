@@ -1,7 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
-                                  [coefficients] [coefficients-split] [mix-bwd] [model-profile] [n=8]
+                                  [coefficients] [coefficients-split] [mix-bwd] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -15,9 +15,9 @@
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
   (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
-- ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens;
-- ``model-profile``: one training step of the 8-layer GPT of ``examples/benchmark_mixing.py``
-  with mhc hyper-connections under the profiler (CPU and CUDA time per op).
+- ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens.
+
+A whole training step's GPU time by kernel: ``scripts/profile_model.py``.
 """
 
 from __future__ import annotations
@@ -377,43 +377,16 @@ def sweep_mix_bwd():
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
 
-def model_profile():
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmark_mixing import GPT
-
-    for arm in ("mhc", "plain"):
-        model = GPT(arm).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        tokens = torch.randint(0, 32768, (8, 2048), device="cuda")
-
-        def step():
-            model(tokens, tokens).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        print(f"## {arm}: {_wall_time(step, 3, 5) * 1e3:.2f} ms per step (wall)", flush=True)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-        if arm == "mhc":
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
-        del model, opt
-
-
 if __name__ == "__main__":
     # "n=8" among the arguments: the projection and coefficient sweeps at n = 8 streams (default 4)
     STREAMS = next((int(a[2:]) for a in sys.argv[1:] if a.startswith("n=")), 4)
-    todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients", "model-profile"]
+    todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients"]
     if "host" in todo:
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
-                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
-                     ("model-profile", model_profile)):
+                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()
