@@ -238,8 +238,19 @@ def grad_input_kernel(
     tl.store(dx_ptrs, acc, mask=out_ok)
 
 
-# Launchers. Inputs: x [N, D], weight [V, D], bias [V] or None (same dtype: fp16, bf16 or fp32;
-# contiguous rows), target [N] int64.
+# Launchers. Inputs: x [N, D], weight [V, D], bias [V] or None (same dtype: fp16, bf16 or fp32),
+# target [N] int64. The kernels read every tensor as contiguous (x and W by rows with unit inner
+# stride): the launchers copy those that are not, so views, offsets and stride-0 inputs read right.
+
+
+def _dense(*tensors):
+    """``tensors`` made contiguous where they are not (``None`` stays ``None``)."""
+    return [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+def _check_target(target: torch.Tensor, n_rows: int) -> None:
+    if target.dtype != torch.int64 or target.shape != (n_rows,):
+        raise ValueError(f"target must be int64 of shape [{n_rows}], got {target.dtype} {tuple(target.shape)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,6 +314,8 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     """
     N, D = x.shape
     V = weight.shape[0]
+    _check_target(target, N)
+    x, weight, bias, target, class_weight = _dense(x, weight, bias, target, class_weight)
     block_n, block_v, block_d, warps, stages = _tiles(x)["lse"]
     row_blocks = triton.cdiv(N, block_n)
     vocab_blocks = triton.cdiv(V, block_v)
@@ -382,6 +395,9 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     """
     N, D = x.shape
     V = weight.shape[0]
+    _check_target(target, N)
+    x, weight, bias, target, class_weight, lse, prob_scale, target_scale, smooth_scale = _dense(
+        x, weight, bias, target, class_weight, lse, prob_scale, target_scale, smooth_scale)
     grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty_like(bias) if need_bias else None

@@ -629,6 +629,7 @@ def coefficients_bwd(
     if T == 0:
         return torch.zeros_like(x), torch.zeros((K, M), **f32), torch.zeros((M + 3,), **f32)
     grad_x_in = grad_x_in.contiguous()
+    p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
     g, c, partial_bias = coefficient_grad(
         x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
     )

@@ -274,12 +274,11 @@ def _per_token(c: torch.Tensor | None, per_token: int):
     if c is None:
         return None, 0
     assert c.dtype == torch.float32
-    if c.shape[0] == 1:
-        return c, 0
+    # a token's coefficients are read as one dense block; tokens at stride 0 or per_token
     dense_rows = c.stride(-1) == 1 and (c.dim() == 2 or c.stride(1) == c.shape[2])
-    if c.stride(0) not in (0, per_token) or not dense_rows:
+    if not dense_rows or (c.shape[0] > 1 and c.stride(0) not in (0, per_token)):
         c = c.contiguous()
-    return c, c.stride(0)
+    return c, (0 if c.shape[0] == 1 else c.stride(0))
 
 
 def stream_mix_fwd(
