@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 
 from mhc.layer import sinkhorn
-from mhc.mixing_ops import mhc_pre_mix, pre_mix
+from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction
 
 __all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
 
@@ -83,7 +83,8 @@ class DynamicMHC:
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
     def fused_start(self, site, x: torch.Tensor):
-        return mhc_pre_mix(x, self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps, site.hc_eps)
+        return MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps,
+                                       site.hc_eps)
 
     def fused_parameters(self, site):
         """``site.mixing_parameters()`` as they are: the kernels read any float dtype into fp32, so
@@ -115,7 +116,7 @@ class DynamicHC:
     def fused_start(self, site, x: torch.Tensor):
         T = math.prod(x.shape[:-2])
         h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in self.reference(site, x))
-        x_in, x_pass = pre_mix(x, h_pre)
+        x_in, x_pass = PreMixFunction.apply(x, h_pre)
         return x_in, h_pre, h_post, h_res, x_pass
 
 
@@ -147,7 +148,7 @@ class Static:
         T, n = math.prod(x.shape[:-2]), x.shape[-2]
         h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))
         h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
-        x_in, x_pass = pre_mix(x, h_pre)
+        x_in, x_pass = PreMixFunction.apply(x, h_pre)
         return x_in, h_pre, h_post, h_res, x_pass
 
 

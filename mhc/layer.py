@@ -166,7 +166,25 @@ class SinkhornFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        return sinkhorn_bwd_launch(saved, grad_out, ctx.iters, ctx.backward_mode, ctx.eps), None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            grad = differentiable_backward(saved, grad_out, ctx.iters, ctx.backward_mode, ctx.eps)
+        else:
+            grad = sinkhorn_bwd_launch(saved, grad_out, ctx.iters, ctx.backward_mode, ctx.eps)
+        return grad, None, None, None
+
+
+def differentiable_backward(saved: torch.Tensor, grad_out: torch.Tensor, iters: int, backward: str, eps: float):
+    """The gradient :func:`sinkhorn_bwd_launch` computes, as PyTorch ops on the reference
+    formulation (fp32, fp64 for fp64), so that it carries a graph for double backward: the exact
+    backward differentiates the unrolled iterations, the implicit one is
+    :func:`mhc.reference.sinkhorn_implicit_backward` at the saved output."""
+    compute = torch.float64 if saved.dtype == torch.float64 else torch.float32
+    if backward == "implicit":
+        return reference.sinkhorn_implicit_backward(saved.to(compute), grad_out.to(compute)).to(saved.dtype)
+    logits = saved.to(compute)
+    out = reference.sinkhorn_eps(logits, iters, eps) if eps > 0 else reference.sinkhorn_stable(logits, iters)
+    (grad,) = torch.autograd.grad(out, saved, grad_out.to(compute), create_graph=True)
+    return grad
 
 
 # PyTorch path: the reference formulation under autograd (exact), or with the implicit backward.

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from mhc._autograd import refuse_double_backward
 from mhc._host import read_later
 from mhc.layer import BACKENDS, FLOAT_DTYPES
 
@@ -104,6 +105,9 @@ def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square
                              f"{tuple(class_weight.shape)}")
         if class_weight.device != device:
             raise ValueError(f"weight is on {class_weight.device}, input on {device}")
+        if class_weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError("weight (class weights) requires grad: the loss is not differentiable with "
+                             "respect to the class weights (neither is F.cross_entropy); pass weight.detach()")
     label_smoothing = _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
     lse_square_scale = _check_number("lse_square_scale", lse_square_scale, low=0.0)
     if softcap is not None:
@@ -133,6 +137,8 @@ def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
 
 
 def _resolve_backend(input: torch.Tensor, backend: str) -> str:
+    if input.shape[-1] == 0:  # no features: the logits are the bias (or 0), no product to fuse
+        return "torch"
     if backend == "auto":
         return "triton" if input.is_cuda and input.dtype in KERNEL_DTYPES else "torch"
     if backend == "triton":
@@ -309,6 +315,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
+        refuse_double_backward(
+            "linear_cross_entropy", "F.cross_entropy(F.linear(input, linear_weight), target) has one")
         x, weight, bias, target, class_weight, lse, target_weight, valid = ctx.saved_tensors
         options = ctx.options
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -427,7 +435,7 @@ def linear_cross_entropy(
     label_smoothing, lse_square_scale, softcap = _check_loss_options(
         weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss)
     backend = _resolve_backend(input, backend)
-    x = input.reshape(-1, dim).contiguous()
+    x = input.reshape(target.numel(), dim).contiguous()
     t = target.reshape(-1).long()
     class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()
     if not isinstance(capturable, bool):

@@ -29,7 +29,8 @@ from torch import nn
 from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
 from mhc.layer import check_settings, sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
-from mhc.sites import MAX_FUSED_STREAMS, Site, check_floating, check_streams, layer_backend
+from mhc.sites import (MAX_FUSED_STREAMS, Site, check_floating, check_same_device, check_streams, check_tensor,
+                       layer_backend)
 
 __all__ = [
     "HyperConnection",
@@ -72,13 +73,18 @@ def _check_rms_eps(eps) -> float:
 
 
 def expand_streams(h: torch.Tensor, n_streams: int, embedding: torch.Tensor | None = None) -> torch.Tensor:
-    """``[..., dim] -> [..., n, dim]``: ``n`` copies of ``h``, plus ``embedding [n, dim]`` if given."""
+    """``[..., dim] -> [..., n, dim]``: ``n`` copies of ``h``, plus ``embedding [n, dim]`` if given.
+
+    Without ``embedding`` the result is a stride-0 view of ``h`` (no copy); the fused layers copy
+    it once where it enters them."""
     _positive_int(n_streams, "n_streams")
     check_floating(h, "h")
+    if h.dim() < 1:
+        raise ValueError("h must have shape [..., dim], got a 0-d tensor")
+    if embedding is not None:
+        check_tensor(embedding, ((n_streams, h.shape[-1]),), "embedding", h.device, "h")
     x = repeat(h, "... d -> ... s d", s=n_streams)
     if embedding is not None:
-        if embedding.shape != (n_streams, h.shape[-1]):
-            raise ValueError(f"embedding must have shape ({n_streams}, {h.shape[-1]}), got {tuple(embedding.shape)}")
         x = x + embedding.to(h.dtype)
     return x
 
@@ -117,14 +123,20 @@ def collapse_weights(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: tor
 def stream_collapse(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float = DEFAULT_RMS_EPS,
                     eps: float = 0.0, backend: str = "auto") -> torch.Tensor:
     """Learned per-token collapse of the streams, DeepSeek-V4's head: ``x [..., n, dim] -> [..., dim]``,
-    ``out = sum_s h[..., s] x[..., s, :]`` with ``h`` from :func:`collapse_weights`.
+    ``out = sum_s h[..., s] x[..., s, :]`` with ``h`` from :func:`collapse_weights`; ``phi [n*dim, n]``,
+    ``a [1]`` (or 0-d), ``b [n]``, any float dtype, on ``x``'s device.
 
     The weights come from PyTorch ops in fp32 (one projection per token, ``n`` columns); the
     weighted sum runs on the fused mixing kernel (``backend="triton"``, or ``"auto"`` on CUDA for
     ``n <= 16``) or in fp32 PyTorch ops (``"torch"``), and is returned in ``x``'s dtype.
     """
+    check_streams(x, x.shape[-2] if x.dim() >= 2 else 1, None, "x")
     n, dim = x.shape[-2], x.shape[-1]
-    check_streams(x, n, dim, "x")
+    check_tensor(phi, ((n * dim, n),), "phi", x.device)
+    check_tensor(a, ((), (1,)), "a", x.device)
+    check_tensor(b, ((n,),), "b", x.device)
+    rms_eps = _check_rms_eps(rms_eps)
+    eps = check_settings(1, "exact", backend, eps)
     h = collapse_weights(x, phi, a, b, rms_eps, eps)
     if layer_backend(x, n, backend) == "triton":
         return pre_mix(x, h.reshape(-1, n).float())[0]
@@ -165,14 +177,26 @@ class StreamCollapse(nn.Module):
         return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")
 
 
-def _packed_from_separate(module, state_dict, prefix, *args) -> None:
+def _packed_from_separate(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs) -> None:
     """Accept checkpoints written while the gates and biases were separate parameters
     (``a_pre, a_post, a_res`` of shape ``[1]`` or 0-d; ``b_pre [n], b_post [n], b_res [n, n]``):
-    they load into ``alpha [3]`` and ``bias [2n + n*n]``. Parts of the wrong size make ``alpha``
-    or ``bias`` the wrong size, which ``load_state_dict`` reports."""
-    for packed, names in (("alpha", ("a_pre", "a_post", "a_res")), ("bias", ("b_pre", "b_post", "b_res"))):
-        keys = [prefix + name for name in names]
-        if prefix + packed not in state_dict and all(isinstance(state_dict.get(k), torch.Tensor) for k in keys):
+    they load into ``alpha [3]`` and ``bias [2n + n*n]``. A part of the wrong shape is reported
+    as ``load_state_dict`` reports a size mismatch (and nothing is packed), even where the sizes
+    add up to the packed parameter's."""
+    n = module.n_streams
+    layouts = (("alpha", {"a_pre": ((), (1,)), "a_post": ((), (1,)), "a_res": ((), (1,))}),
+               ("bias", {"b_pre": ((n,),), "b_post": ((n,),), "b_res": ((n, n),)}))
+    for packed, parts in layouts:
+        keys = [prefix + name for name in parts]
+        if prefix + packed in state_dict or not all(isinstance(state_dict.get(k), torch.Tensor) for k in keys):
+            continue
+        wrong = [(k, tuple(state_dict[k].shape), shapes[-1]) for k, shapes in zip(keys, parts.values())
+                 if tuple(state_dict[k].shape) not in shapes]
+        for key, got, want in wrong:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {list(got)} from checkpoint, "
+                              f"the shape in current model is {list(want)} (packed into {prefix + packed})")
+        if not wrong:
             state_dict[prefix + packed] = torch.cat([state_dict.pop(k).reshape(-1) for k in keys])
 
 
@@ -261,6 +285,8 @@ class HyperConnection(nn.Module, Site):
         if constraint == "none" and init != "residual":
             raise ValueError("constraint='none' (HC) supports init='residual' only")
         self.hc_eps = check_settings(sinkhorn_iters, backward, backend, hc_eps)
+        if branch is not None and not callable(branch):
+            raise TypeError(f"branch must be a module, a callable or None, got {type(branch).__name__}")
         if constraint == "none" and self.hc_eps > 0:
             raise ValueError("hc_eps is an option of mHC (constraint='sinkhorn'), got constraint='none'")
         self.branch = branch
@@ -272,7 +298,7 @@ class HyperConnection(nn.Module, Site):
         self.backend = backend
         self.rms_eps = _check_rms_eps(rms_eps)
         self.source = source_for(constraint, self.dynamic)
-        self._recorder: list | None = None
+        self._recorder: tuple | None = None  # the open collect_h_res blocks' lists
 
         # two or three parameters, not seven: optimizers and FSDP2 do host work per parameter
         # (docs/mixing.md, "Host time")
@@ -386,15 +412,19 @@ class LaneMixer(nn.Module):
         if self.dynamic:
             if x is None:
                 raise ValueError("a dynamic LaneMixer needs the lanes x to build its matrices")
-            check_streams(x, self.n_lanes, self.dim, "x")
+            self._check_input(x)
             dtype = coefficient_dtype(x, self.proj)
             v = rearrange(x.to(dtype), "... s d -> ... (s d)")
             dyn = (v @ self.proj.to(dtype)) * rms_inverse(v, self.rms_eps)
             logits = logits + rearrange(dyn, "... (t s) -> ... t s", t=self.n_lanes)
         return sinkhorn(logits, self.iters, backward=self.backward, backend=self.backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x) -> None:
         check_streams(x, self.n_lanes, self.dim, "x")
+        check_same_device(x, self.logits.device, "x", "the layer's parameters")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         p = self.matrix(x)
         n = self.n_lanes
         if n <= MAX_FUSED_STREAMS and layer_backend(x, n, self.backend) == "triton":
@@ -431,13 +461,28 @@ def _gains(m: torch.Tensor):
 
 
 def amax_gain(h_res: Sequence[torch.Tensor]) -> GainReport:
-    """Per-layer and composite forward / backward gains of per-layer ``h_res`` ``[..., n, n]`` (fp64)."""
+    """Per-layer and composite forward / backward gains of per-layer ``h_res`` ``[..., n, n]`` (fp64).
+
+    ``h_res``: a list or tuple of ``L >= 1`` real tensors of one shape ``[..., n, n]`` (``n >= 1``,
+    at least one token) on one device."""
+    if isinstance(h_res, torch.Tensor) or not isinstance(h_res, Sequence):
+        raise TypeError(f"h_res must be a sequence (list, tuple) of per-layer tensors, got {type(h_res).__name__} "
+                        f"(layers stacked in one tensor: pass list(h_res))")
     if len(h_res) == 0:
         raise ValueError("h_res must hold at least one layer's matrices")
-    shape = h_res[0].shape
-    for h in h_res:
+    for i, h in enumerate(h_res):
+        if not isinstance(h, torch.Tensor):
+            raise TypeError(f"h_res[{i}] must be a torch.Tensor, got {type(h).__name__}")
+        if h.is_complex() or h.dtype == torch.bool:
+            raise TypeError(f"h_res[{i}] must hold real numbers, got {h.dtype}")
+    shape, device = h_res[0].shape, h_res[0].device
+    for i, h in enumerate(h_res):
         if h.shape != shape or h.dim() < 2 or h.shape[-1] != h.shape[-2]:
-            raise ValueError(f"every h_res must have the shape [..., n, n] of the first, {tuple(shape)}; got {tuple(h.shape)}")
+            raise ValueError(f"every h_res must have the shape [..., n, n] of the first, {tuple(shape)}; "
+                             f"got {tuple(h.shape)} at h_res[{i}]")
+        check_same_device(h, device, f"h_res[{i}]", "h_res[0]")
+    if shape[-1] == 0 or math.prod(shape[:-2]) == 0:
+        raise ValueError(f"h_res must hold at least one token's [n, n] matrix with n >= 1, got shape {tuple(shape)}")
     fwd, bwd, cfwd, cbwd = [], [], [], []
     composite = None
     for h in h_res:
@@ -456,13 +501,16 @@ def collect_h_res(model: nn.Module) -> Iterator[list]:
 
     ``with collect_h_res(model) as h_res: model(x)``; then ``h_res`` holds one detached
     ``[..., n, n]`` tensor per hyper-connection call, in call order: ready for :func:`amax_gain`.
+    Blocks nest: an inner block records what the outer one does while both are open.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     records: list = []
     layers = [m for m in model.modules() if isinstance(m, HyperConnection)]
-    for m in layers:
-        m._recorder = records
+    for m in layers:  # blocks nest: every open block records
+        m._recorder = (m._recorder or ()) + (records,)
     try:
         yield records
     finally:
         for m in layers:
-            m._recorder = None
+            m._recorder = tuple(r for r in m._recorder if r is not records) or None

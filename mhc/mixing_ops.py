@@ -20,9 +20,12 @@ from types import SimpleNamespace
 
 import torch
 
-from mhc.layer import _kernels, sinkhorn_bwd_launch
+from mhc._autograd import refuse_double_backward
+from mhc.layer import _kernels, check_settings, sinkhorn_bwd_launch
 
-__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
+__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam", "MAX_FUSED_STREAMS"]
+
+MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
 
 # ------------------------------------------------------------------------------ ops
 # Optional outputs come back as empty tensors: custom ops return plain tensors only.
@@ -163,6 +166,7 @@ class PreMixFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_x_pass):
+        refuse_double_backward("the fused pre-mix (HyperConnection, StreamCollapse)")
         if grad_x_in is None:
             return grad_x_pass, None
         x, h_pre = ctx.saved_tensors
@@ -185,6 +189,7 @@ class PostMixFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_double_backward("the fused post-mix (HyperConnection, LaneMixer)")
         if grad_out is None:
             return None, None, None, None
         x, y, h_post, h_res = ctx.saved_tensors
@@ -246,6 +251,7 @@ class MHCPreMixFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+        refuse_double_backward("the fused mHC coefficients (HyperConnection)")
         saved = ctx.saved_tensors
         x, phi, alpha, p, r, h_pre, h_post, _ = saved
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
@@ -281,6 +287,7 @@ class MHCSeamFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+        refuse_double_backward("the fused seam of chained sites (finish(y, next=))")
         saved = ctx.saved_tensors
         x_next, phi, alpha, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
@@ -294,24 +301,83 @@ class MHCSeamFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ functionals
+# The public entry points check their arguments; mhc.sites and mhc.coefficients, which build the
+# arguments themselves, call the Functions directly (host time per site).
+
+
+def _check_streams(x, what: str = "x") -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{what} must be a floating-point torch.Tensor, got {got}")
+    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_FUSED_STREAMS:
+        raise ValueError(f"{what} must have shape [..., n, d] with 1 <= n <= {MAX_FUSED_STREAMS}, got {tuple(x.shape)}")
+    _kernels().check_device(x)
+
+
+def _check_tensor(t, what: str, shape: tuple, dtype, device) -> None:
+    """``t``: a tensor of ``shape`` on ``device``, of ``dtype`` (or any float dtype for None)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{what} must be {dtype}, got {t.dtype}")
+    if dtype is None and not t.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, x on {device}")
+
+
+def _check_post_mix(x, y, h_post, h_res) -> None:
+    _check_streams(x)
+    *lead, n, d = x.shape
+    T = math.prod(lead)
+    _check_tensor(h_res, "h_res", (T, n, n), torch.float32, x.device)
+    if (y is None) != (h_post is None):
+        raise ValueError("y and h_post go together: pass both or neither")
+    if y is not None:
+        _check_tensor(y, "y", (*lead, d), None, x.device)
+        _check_tensor(h_post, "h_post", (T, n), torch.float32, x.device)
+
+
+def _check_parameters(x, params) -> None:
+    if not isinstance(params, (tuple, list)) or len(params) != 3:
+        raise TypeError("params must be the tuple (phi, alpha, bias)")
+    n, d = x.shape[-2:]
+    M = 2 * n + n * n
+    for name, t, shape in zip(("phi", "alpha", "bias"), params, ((n * d, M), (3,), (M,))):
+        _check_tensor(t, name, shape, None, x.device)
+
+
+def _check_sinkhorn(iters, backward, eps, hc_eps) -> None:
+    check_settings(iters, backward, "auto", hc_eps)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"eps (the RMS epsilon) must be a finite float > 0, got {eps!r}")
 
 
 def pre_mix(x: torch.Tensor, h_pre: torch.Tensor):
     """``(x_in [..., d], x_pass [..., n, d])`` from streams ``x [..., n, d]`` and fp32 ``h_pre [T, n]``
     (``T`` tokens; a token stride of 0 broadcasts one set). Feed ``x_pass`` to :func:`post_mix`."""
+    _check_streams(x)
+    _check_tensor(h_pre, "h_pre", (math.prod(x.shape[:-2]), x.shape[-2]), torch.float32, x.device)
     return PreMixFunction.apply(x, h_pre)
 
 
 def post_mix(x: torch.Tensor, y: torch.Tensor | None, h_post: torch.Tensor | None, h_res: torch.Tensor):
     """``out [..., n, d] = h_res @ x + h_post (x) y`` for streams ``x [..., n, d]``, ``y [..., d]`` and
     fp32 coefficients ``h_post [T, n]``, ``h_res [T, n, n]``; ``y = h_post = None`` mixes only."""
+    _check_post_mix(x, y, h_post, h_res)
     return PostMixFunction.apply(x, y, h_post, h_res)
 
 
 def mhc_pre_mix(x, params, iters: int, backward: str, eps: float, hc_eps: float = 0.0):
     """Dynamic mHC coefficients and pre-mix of ``x [..., n, d]``: ``(x_in, h_pre, h_post, h_res, x_pass)``.
 
-    ``params``: ``(phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])``; see :class:`MHCPreMixFunction`."""
+    ``params``: ``(phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])``; ``eps`` the RMS epsilon,
+    ``hc_eps`` DeepSeek-V4's; see :class:`MHCPreMixFunction`."""
+    _check_streams(x)
+    _check_parameters(x, params)
+    _check_sinkhorn(iters, backward, eps, hc_eps)
     return MHCPreMixFunction.apply(x, *params, iters, backward, eps, hc_eps)
 
 
@@ -319,4 +385,9 @@ def mhc_seam(x, y, h_post, h_res, params, iters: int, backward: str, eps: float,
     """Site ``l``'s post-mix of ``(x, y, h_post, h_res)`` followed by the next site's dynamic mHC
     coefficients and pre-mix (``params`` as :func:`mhc_pre_mix`'s), in one op: the next site's
     ``(x_in, h_pre, h_post, h_res, x_pass)``; see :class:`MHCSeamFunction`."""
+    _check_post_mix(x, y, h_post, h_res)
+    if y is None:
+        raise ValueError("the seam needs site l's branch output y and h_post")
+    _check_parameters(x, params)
+    _check_sinkhorn(iters, backward, eps, hc_eps)
     return MHCSeamFunction.apply(x, y, h_post, h_res, *params, iters, backward, eps, hc_eps)

@@ -25,11 +25,9 @@ import torch
 from einops import einsum
 
 from mhc.layer import _kernels
-from mhc.mixing_ops import mhc_seam, post_mix
+from mhc.mixing_ops import MAX_FUSED_STREAMS, MHCSeamFunction, PostMixFunction
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
-
-MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
 
 
 def check_floating(x, what: str) -> None:
@@ -46,6 +44,22 @@ def check_streams(x: torch.Tensor, n: int, dim: int | None, what: str) -> None:
         raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
 
 
+def check_same_device(t: torch.Tensor, device: torch.device, what: str, where: str) -> None:
+    """``t`` must be on ``device`` (the kernels take one device's pointers; PyTorch's own error
+    names neither tensor)."""
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, {where} on {device}")
+
+
+def check_tensor(t, shapes: tuple, what: str, device: torch.device, where: str = "x") -> None:
+    """A floating-point tensor of one of ``shapes`` (tuples) on ``device`` (``where``'s)."""
+    check_floating(t, what)
+    if tuple(t.shape) not in shapes:
+        want = " or ".join(str(list(s)) for s in shapes)
+        raise ValueError(f"{what} must have shape {want}, got {list(t.shape)}")
+    check_same_device(t, device, what, where)
+
+
 def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
     ``n <= MAX_FUSED_STREAMS`` and the PyTorch reference otherwise."""
@@ -60,7 +74,7 @@ def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     return backend
 
 
-def branch_output(out, shape):
+def branch_output(out, shape, device):
     """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
     tensor mixed into the streams (attention modules returning weights or a cache)."""
     rest = ()
@@ -72,6 +86,9 @@ def branch_output(out, shape):
         raise TypeError(f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}")
     if out.shape != shape:
         raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if not out.is_floating_point():
+        raise TypeError(f"branch output must be a floating-point tensor, got {out.dtype}")
+    check_same_device(out, device, "branch output", "the streams")
     return out, rest
 
 
@@ -87,7 +104,7 @@ class Site:
 
     A subclass provides ``n_streams``, ``dim``, ``backend``, ``sinkhorn_iters``, ``backward``,
     ``rms_eps``, ``hc_eps``, ``source`` (an :mod:`mhc.coefficients` source), ``_recorder``
-    (``None``, or a list that :func:`mhc.mixing.collect_h_res` sets) and
+    (``None``, or the tuple of lists that the open :func:`mhc.mixing.collect_h_res` blocks set) and
     :meth:`mixing_parameters`.
     """
 
@@ -100,7 +117,7 @@ class Site:
     def coefficients(self, x: torch.Tensor):
         """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on the reference
         path for fp64 activations or parameters) for streams ``x [..., n, dim]``."""
-        check_streams(x, self.n_streams, self.dim, "x")
+        self._check_input(x)
         n, lead = self.n_streams, x.shape[:-2]
         if self.source is not None and self.source.fused_coefficients and layer_backend(x, n, self.backend) == "triton":
             _, h_pre, h_post, h_res, _ = self.source.fused_start(self, x)
@@ -116,7 +133,7 @@ class Site:
         is a tuple (or list), its first element is mixed into the streams and the extras follow
         the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
         """
-        check_streams(x, self.n_streams, self.dim, "x")
+        self._check_input(x)
         if layer_backend(x, self.n_streams, self.backend) == "triton":
             x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x)
             return self._fused_finish(x_in, h_post, h_res, x_pass)
@@ -125,15 +142,19 @@ class Site:
         x_in = einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
         return x_in, ReferenceFinish(self, x, h_post, h_res)
 
+    def _check_input(self, x) -> None:
+        check_streams(x, self.n_streams, self.dim, "x")
+        check_same_device(x, self.mixing_parameters()[2].device, "x", "the layer's parameters")
+
     def _fused_finish(self, x_in, h_post, h_res, x_pass):
         if self._recorder is not None:  # the reshape only while recording: it costs host time per site
             n = self.n_streams
-            self._recorder.append(h_res.detach().expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
+            self._record(h_res.expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
         return x_in, FusedFinish(self, x_pass, h_post, h_res)
 
     def _record(self, h_res: torch.Tensor) -> None:
-        if self._recorder is not None:
-            self._recorder.append(h_res.detach())
+        for records in self._recorder or ():
+            records.append(h_res.detach())
 
     def _check_next(self, next) -> None:
         if not isinstance(next, Site):
@@ -153,7 +174,7 @@ class ReferenceFinish:
 
     def __call__(self, y, next: Site | None = None):
         x = self.x
-        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:])
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
         if next is not None:
             self.site._check_next(next)
         dtype = x.dtype
@@ -172,14 +193,14 @@ class FusedFinish:
 
     def __call__(self, y, next: Site | None = None):
         site, x = self.site, self.x_pass
-        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:])
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
         if next is None:
-            return _returned(rest, post_mix(x, y, self.h_post, self.h_res))
+            return _returned(rest, PostMixFunction.apply(x, y, self.h_post, self.h_res))
         site._check_next(next)
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
-            return _returned(rest, *next.split(post_mix(x, y, self.h_post, self.h_res)))
-        x_in, _, h_post, h_res, x_pass = mhc_seam(
-            x, y, self.h_post, self.h_res, next.source.fused_parameters(next),
+            return _returned(rest, *next.split(PostMixFunction.apply(x, y, self.h_post, self.h_res)))
+        x_in, _, h_post, h_res, x_pass = MHCSeamFunction.apply(
+            x, y, self.h_post, self.h_res, *next.source.fused_parameters(next),
             next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
         )
         return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass))
