@@ -74,6 +74,8 @@ def _check_inputs(input, weight, target, bias, reduction, ignore_index, backend)
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -261,7 +263,9 @@ def _target_weights(target, valid, class_weight, dtype):
     """``w_y`` per row, 0 on ignored rows (1 on the others without class weights)."""
     if class_weight is None:
         return valid.to(dtype)
-    return torch.where(valid, class_weight[torch.where(valid, target, 0)], 0.0)
+    # clamped: with capturable=True the targets' range is not checked, and no index may leave it
+    index = torch.where(valid, target, 0).clamp(0, class_weight.shape[0] - 1)
+    return torch.where(valid, class_weight[index], 0.0)
 
 
 def _divisors(reduction, target_weight, valid):

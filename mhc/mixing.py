@@ -167,6 +167,7 @@ class StreamCollapse(nn.Module):
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         check_streams(x, self.n_streams, self.dim, "x")
+        check_same_device(x, self.phi.device, "x", "the layer's parameters")
         return collapse_weights(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

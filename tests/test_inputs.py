@@ -323,6 +323,18 @@ def test_class_weights_that_require_grad_are_refused(backend):
     linear_cross_entropy(x, w, target, weight=cw.detach(), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capturable_loss_never_indexes_outside_the_class_weights(backend):
+    """``capturable=True`` skips the targets' range check (documented: the loss is then undefined);
+    an out-of-range target must still not index outside the class weights (a device fault)."""
+    x, w, target, _, cw = loss_case("flat")
+    target[0], target[1] = w.shape[0] + 5, -7
+    loss = linear_cross_entropy(x, w, target, weight=cw, capturable=True, backend=backend)
+    assert loss.shape == ()
+    with pytest.raises(ValueError, match="outside"):
+        linear_cross_entropy(x, w, target, weight=cw, backend=backend)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loss_with_no_features_is_that_of_the_bias(backend, bias):
@@ -415,6 +427,9 @@ BAD_CALLS = [
     (lambda: linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), [0, 1, 2]), TypeError,
      "target must be a torch.Tensor"),
     (lambda: LinearCrossEntropy(4, 5, weight=torch.ones(5, requires_grad=True)), ValueError, "requires grad"),
+    (lambda: linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long),
+                                  ignore_index=2**70), ValueError, "ignore_index must fit in int64"),
+    (lambda: StreamCollapse(d_, n_).weights(torch.randn(2, n_, d_, device=META)), ValueError, "x is on meta"),
 ]
 
 
