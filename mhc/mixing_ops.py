@@ -40,7 +40,7 @@ def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
 def _stream_mix_fwd_op(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None
 ) -> torch.Tensor:
-    return _kernels().stream_mix_fwd(x, w, y, b)
+    return _kernels().stream_mix.stream_mix_fwd_unchecked(x, w, y, b)
 
 
 @_stream_mix_fwd_op.register_fake
@@ -53,7 +53,7 @@ def _stream_mix_bwd_op(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
     grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None, need_grad_x: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = _kernels().stream_mix_bwd(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
+    outs = _kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
     return tuple(x.new_empty((0,)) if t is None else t for t in outs)
 
 
@@ -86,7 +86,7 @@ def _coefficients_fwd_op(
     x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int, eps: float,
     hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().coefficients_fwd(x, phi, alpha, bias, iters, eps, hc_eps)
+    return _kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
 @_coefficients_fwd_op.register_fake
@@ -131,7 +131,11 @@ def _launchers():
     if torch.compiler.is_compiling():
         return _COMPILED
     if _EAGER is None:
-        _EAGER = _kernels()
+        k = _kernels()  # the launches without the public launchers' argument checks (host time)
+        _EAGER = SimpleNamespace(
+            stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked, stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
+            coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked, coefficients_bwd=k.coefficients_bwd,
+        )
     return _EAGER
 
 

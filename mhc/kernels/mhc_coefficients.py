@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import check_positive, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
@@ -559,10 +560,22 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
     dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
     hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
     """
+    check_tensor(x, "x")
+    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_STREAMS:
+        raise ValueError(f"x must have shape [..., N, D] with 1 <= N <= {MAX_STREAMS}, got {list(x.shape)}")
+    n, d = x.shape[-2:]
+    M = 2 * n + n * n
+    for name, t, shape in (("phi", phi, (n * d, M)), ("alpha", alpha, (3,)), ("bias", bias, (M,))):
+        check_tensor(t, name, shape, device=x.device)
+    check_positive(iters, "iters")
+    return coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
+
+
+def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
+    """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
+    whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
     *lead, n, d = x.shape
     T, K, M = math.prod(lead), n * d, 2 * n + n * n
-    assert phi.shape == (K, M) and alpha.shape == (3,) and bias.shape == (M,)
-    assert 1 <= n <= MAX_STREAMS and iters >= 1
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)

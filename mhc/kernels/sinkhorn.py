@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, cdiv, launch_config,
@@ -226,8 +227,8 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     fp32 arithmetic (fp64 for fp64 input). Non-contiguous input is copied first. ``n >=
     TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
     """
-    T, n, _ = logits.shape
-    assert 1 <= n <= MAX_N and iters >= 1
+    T, n = check_matrices(logits, "logits", MAX_N)
+    check_positive(iters, "iters")
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_fwd(logits, iters)
     logits = logits.contiguous()
@@ -263,8 +264,9 @@ def backward_schedule(iters: int, n: int) -> dict:
 
 def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
-    T, n, _ = logits.shape
-    assert grad_out.shape == logits.shape and 1 <= n <= MAX_N and iters >= 1
+    T, n = check_matrices(logits, "logits", MAX_N)
+    check_tensor(grad_out, "grad_out", logits.shape, device=logits.device)
+    check_positive(iters, "iters")
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_bwd(logits, grad_out, iters)
     logits = logits.contiguous()

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, launch_config, reciprocal
 
@@ -190,8 +191,9 @@ def _launch(kernel, tensors, T: int, n: int, iters: int, eps: float) -> None:
 
 def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``logits [T, n, n]`` (n <= 16) -> ``[T, n, n]``, same dtype; fp32 arithmetic (fp64 for fp64)."""
-    T, n, _ = logits.shape
-    assert 1 <= n <= MAX_EPS_N and iters >= 1 and eps > 0
+    T, n = check_matrices(logits, "logits", MAX_EPS_N)
+    check_positive(iters, "iters")
+    check_positive(eps, "eps", integer=False)
     logits = logits.contiguous()
     out = torch.empty_like(logits)
     if T:
@@ -201,8 +203,10 @@ def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tens
 
 def sinkhorn_eps_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Exact backward of :func:`sinkhorn_eps_fwd`: ``dL/dlogits [T, n, n]`` from the logits."""
-    T, n, _ = logits.shape
-    assert grad_out.shape == logits.shape and 1 <= n <= MAX_EPS_N and iters >= 1 and eps > 0
+    T, n = check_matrices(logits, "logits", MAX_EPS_N)
+    check_tensor(grad_out, "grad_out", logits.shape, device=logits.device)
+    check_positive(iters, "iters")
+    check_positive(eps, "eps", integer=False)
     logits = logits.contiguous()
     grad_in = torch.empty_like(logits)
     if T:

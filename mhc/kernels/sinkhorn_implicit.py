@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import check_matrices, check_tensor
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, centered,
     cdiv, launch_config,
@@ -79,8 +80,8 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
 
     ``n >= TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
     """
-    T, n, _ = out.shape
-    assert grad_out.shape == out.shape and 1 <= n <= MAX_N
+    T, n = check_matrices(out, "out", MAX_N)
+    check_tensor(grad_out, "grad_out", out.shape, device=out.device)
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_implicit_bwd(out, grad_out)
     out = out.contiguous()

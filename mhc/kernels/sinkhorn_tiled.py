@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
@@ -349,8 +350,9 @@ def _operands(*tensors: torch.Tensor):
     """Shape checks; the inputs as contiguous ``[T, n, rs]`` (rows zero-padded to ``rs =
     row_stride(n)`` entries where that is more than ``n``: one copy each) and an empty
     ``[T, n, n]`` output. ``T``, ``n``, ``rs``."""
-    T, n, _ = tensors[0].shape
-    assert 1 <= n <= MAX_N and all(t.shape == tensors[0].shape for t in tensors)
+    T, n = check_matrices(tensors[0], "the first tensor", MAX_N)
+    for i, t in enumerate(tensors[1:], 1):
+        check_tensor(t, f"tensor argument {i}", tensors[0].shape, device=tensors[0].device)
     rs = row_stride(n, tensors[0].element_size())
     if rs == n:
         inputs = [t.contiguous() for t in tensors]
@@ -363,7 +365,7 @@ def _operands(*tensors: torch.Tensor):
 def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype."""
     T, n, rs, (logits, out) = _operands(logits)
-    assert iters >= 1
+    check_positive(iters, "iters")
     if T == 0:
         return out
     block_t, ri, num_warps = _config(n, "fwd")
@@ -378,7 +380,7 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
 def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
     T, n, rs, (logits, grad_out, grad_in) = _operands(logits, grad_out)
-    assert iters >= 1
+    check_positive(iters, "iters")
     if T == 0:
         return grad_in
     block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")

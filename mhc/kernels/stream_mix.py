@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._checks import F32, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import cdiv, next_pow2
 
@@ -273,12 +274,32 @@ def _per_token(c: torch.Tensor | None, per_token: int):
     """``(c, token stride)``: fp32 coefficients whose token stride is 0 (shared) or dense."""
     if c is None:
         return None, 0
-    assert c.dtype == torch.float32
     # a token's coefficients are read as one dense block; tokens at stride 0 or per_token
     dense_rows = c.stride(-1) == 1 and (c.dim() == 2 or c.stride(1) == c.shape[2])
     if not dense_rows or (c.shape[0] > 1 and c.stride(0) not in (0, per_token)):
         c = c.contiguous()
     return c, (0 if c.shape[0] == 1 else c.stride(0))
+
+
+def _check_mix(x, w, y, b):
+    """``(T, N, D, N_OUT)`` of a mix's arguments, checked."""
+    check_tensor(x, "x")
+    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_STREAMS:
+        raise ValueError(f"x must have shape [..., N, D] with 1 <= N <= {MAX_STREAMS}, got {list(x.shape)}")
+    *lead, n, d = x.shape
+    T = math.prod(lead)
+    check_tensor(w, "w", dtypes=F32, device=x.device)
+    if w.dim() != 3 or w.shape[0] != T or w.shape[2] != n or not 1 <= w.shape[1] <= MAX_STREAMS:
+        raise ValueError(f"w must have shape [{T}, N_OUT, {n}] with 1 <= N_OUT <= {MAX_STREAMS}, got {list(w.shape)}")
+    n_out = w.shape[1]
+    if (y is None) != (b is None):
+        raise ValueError("y and b go together: pass both or neither")
+    if y is not None:
+        check_tensor(y, "y", device=x.device)
+        if y.numel() != T * d or y.shape[-1:] != (d,):
+            raise ValueError(f"y must have shape [..., {d}] over {T} tokens, got {list(y.shape)}")
+        check_tensor(b, "b", (T, n_out), F32, x.device)
+    return T, n, d, n_out
 
 
 def stream_mix_fwd(
@@ -290,16 +311,21 @@ def stream_mix_fwd(
     Output in ``x``'s dtype. ``w`` and ``b`` may have token stride 0; ``x`` and ``y`` are made
     contiguous.
     """
+    _check_mix(x, w, y, b)
+    return stream_mix_fwd_unchecked(x, w, y, b)
+
+
+def stream_mix_fwd_unchecked(x, w, y=None, b=None):
+    """:func:`stream_mix_fwd` without the argument checks (host time per launch), for callers whose
+    arguments are right by construction (:mod:`mhc.mixing_ops`' Functions); layouts still copied."""
     *lead, n, d = x.shape
     T, n_out = math.prod(lead), w.shape[1]
-    assert w.shape == (T, n_out, n) and 1 <= n <= MAX_STREAMS and (y is None) == (b is None)
     x = x.contiguous()
     out = torch.empty((*lead, n_out, d), dtype=x.dtype, device=x.device)
     if T == 0 or d == 0:
         return out
     has_y = y is not None
     if has_y:
-        assert y.numel() == T * d and b.shape == (T, n_out)
         y = y.contiguous()
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
@@ -320,10 +346,21 @@ def stream_mix_bwd(
     per token in fp32 (``None`` without ``y``). ``grad_out [..., N_OUT, D]`` and ``grad_x_acc``
     may have other leading dims than ``x``, with the same number of tokens.
     """
+    T, n, d, n_out = _check_mix(x, w, y, b)
+    check_tensor(grad_out, "grad_out", device=x.device)
+    if grad_out.shape[-2:] != (n_out, d) or grad_out.numel() != T * n_out * d:
+        raise ValueError(f"grad_out must have shape [..., {n_out}, {d}] over {T} tokens, got {list(grad_out.shape)}")
+    if grad_x_acc is not None:
+        check_tensor(grad_x_acc, "grad_x_acc", device=x.device)
+        if grad_x_acc.numel() != x.numel() or grad_x_acc.shape[-2:] != x.shape[-2:]:
+            raise ValueError(f"grad_x_acc must have x's shape {list(x.shape)}, got {list(grad_x_acc.shape)}")
+    return stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
+
+
+def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=True):
+    """:func:`stream_mix_bwd` without the argument checks, as :func:`stream_mix_fwd_unchecked`."""
     n, d = x.shape[-2:]
     T, n_out = math.prod(x.shape[:-2]), w.shape[1]
-    assert w.shape == (T, n_out, n) and grad_out.shape[-2:] == (n_out, d) and grad_out.numel() == T * n_out * d
-    assert 1 <= n <= MAX_STREAMS
     x = x.contiguous()
     grad_out = grad_out.contiguous()
     has_y = y is not None
