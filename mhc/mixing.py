@@ -183,8 +183,8 @@ def _packed_from_separate(module, state_dict, prefix, local_metadata, strict, mi
     """Accept checkpoints written while the gates and biases were separate parameters
     (``a_pre, a_post, a_res`` of shape ``[1]`` or 0-d; ``b_pre [n], b_post [n], b_res [n, n]``):
     they load into ``alpha [3]`` and ``bias [2n + n*n]``. A part of the wrong shape is reported
-    as ``load_state_dict`` reports a size mismatch (and nothing is packed), even where the sizes
-    add up to the packed parameter's."""
+    as ``load_state_dict`` reports a size mismatch, and its packed parameter is left as it is, even
+    where the parts' sizes add up to the packed parameter's."""
     n = module.n_streams
     layouts = (("alpha", {"a_pre": ((), (1,)), "a_post": ((), (1,)), "a_res": ((), (1,))}),
                ("bias", {"b_pre": ((n,),), "b_post": ((n,),), "b_res": ((n, n),)}))
