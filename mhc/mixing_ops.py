@@ -309,27 +309,15 @@ class MHCSeamFunction(torch.autograd.Function):
 # arguments themselves, call the Functions directly (host time per site).
 
 
-def _check_streams(x, what: str = "x") -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{what} must be a floating-point torch.Tensor, got {got}")
-    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_FUSED_STREAMS:
-        raise ValueError(f"{what} must have shape [..., n, d] with 1 <= n <= {MAX_FUSED_STREAMS}, got {tuple(x.shape)}")
+def _check_streams(x) -> None:
+    _kernels()._checks.check_streams(x, "x", MAX_FUSED_STREAMS)
     _kernels().check_device(x)
 
 
 def _check_tensor(t, what: str, shape: tuple, dtype, device) -> None:
-    """``t``: a tensor of ``shape`` on ``device``, of ``dtype`` (or any float dtype for None)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{what} must be {dtype}, got {t.dtype}")
-    if dtype is None and not t.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{what} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{what} is on {t.device}, x on {device}")
+    """``t``: a tensor of ``shape`` on ``x``'s ``device``, of ``dtype`` (or any float dtype for None)."""
+    checks = _kernels()._checks
+    checks.check_tensor(t, what, shape, checks.FLOATS if dtype is None else (dtype,), device, where="x")
 
 
 def _check_post_mix(x, y, h_post, h_res) -> None:

@@ -10,16 +10,27 @@ import torch
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_tensor(t, name: str, shape=None, dtypes=FLOATS, device=None) -> None:
-    """``t``: a tensor of ``shape`` (a tuple, or None for any), one of ``dtypes``, on ``device``."""
+def check_tensor(t, name: str, shape=None, dtypes=FLOATS, device=None, where="the first tensor argument") -> None:
+    """``t``: a tensor of ``shape`` (a tuple, or None for any), one of ``dtypes``, on ``device``
+    (``where``'s)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+        want = dtypes[0] if len(dtypes) == 1 else [str(d) for d in dtypes]
+        raise TypeError(f"{name} must be {'one of ' if len(dtypes) > 1 else ''}{want}, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the first tensor argument on {device}")
+        raise ValueError(f"{name} is on {t.device}, {where} on {device}")
+
+
+def check_streams(x, name: str, max_n: int) -> None:
+    """Streams ``x [..., N, D]`` of a float dtype with ``1 <= N <= max_n``."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
+    if x.dim() < 2 or not 1 <= x.shape[-2] <= max_n:
+        raise ValueError(f"{name} must have shape [..., N, D] with 1 <= N <= {max_n}, got {list(x.shape)}")
 
 
 def check_matrices(t, name: str, max_n: int) -> tuple[int, int]:

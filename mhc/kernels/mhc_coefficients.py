@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._checks import check_positive, check_tensor
+from mhc.kernels._checks import check_positive, check_streams, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
@@ -560,9 +560,7 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
     dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
     hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
     """
-    check_tensor(x, "x")
-    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_STREAMS:
-        raise ValueError(f"x must have shape [..., N, D] with 1 <= N <= {MAX_STREAMS}, got {list(x.shape)}")
+    check_streams(x, "x", MAX_STREAMS)
     n, d = x.shape[-2:]
     M = 2 * n + n * n
     for name, t, shape in (("phi", phi, (n * d, M)), ("alpha", alpha, (3,)), ("bias", bias, (M,))):
@@ -575,7 +573,7 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
     whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
     *lead, n, d = x.shape
-    T, K, M = math.prod(lead), n * d, 2 * n + n * n
+    T, K = math.prod(lead), n * d
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._checks import F32, check_tensor
+from mhc.kernels._checks import F32, check_streams, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import cdiv, next_pow2
 
@@ -283,9 +283,7 @@ def _per_token(c: torch.Tensor | None, per_token: int):
 
 def _check_mix(x, w, y, b):
     """``(T, N, D, N_OUT)`` of a mix's arguments, checked."""
-    check_tensor(x, "x")
-    if x.dim() < 2 or not 1 <= x.shape[-2] <= MAX_STREAMS:
-        raise ValueError(f"x must have shape [..., N, D] with 1 <= N <= {MAX_STREAMS}, got {list(x.shape)}")
+    check_streams(x, "x", MAX_STREAMS)
     *lead, n, d = x.shape
     T = math.prod(lead)
     check_tensor(w, "w", dtypes=F32, device=x.device)
