@@ -29,7 +29,8 @@ import torch
 from einops import rearrange
 
 from mhc.layer import sinkhorn
-from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction
+from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
+from mhc.recompute import function_args, note_conversion, reference_scope
 
 __all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
 
@@ -42,6 +43,13 @@ def coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
     return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
+
+
+def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, known to recompute mode as the streams' copy (:func:`mhc.recompute.note_conversion`)."""
+    converted = x.to(dtype)
+    note_conversion(x, converted)
+    return converted
 
 
 def gates(alpha: torch.Tensor):
@@ -68,7 +76,7 @@ class DynamicMHC:
         phi, alpha, _ = site.mixing_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
-        v = rearrange(x.to(dtype), "... s d -> ... (s d)")
+        v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
         proj = (v @ phi.to(dtype)) * rms_inverse(v, site.rms_eps)
         pre, post, res = proj.split([n, n, n * n], dim=-1)
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
@@ -82,9 +90,9 @@ class DynamicMHC:
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
-    def fused_start(self, site, x: torch.Tensor):
+    def fused_start(self, site, x: torch.Tensor, plan=None):
         return MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps,
-                                       site.hc_eps)
+                                       site.hc_eps, *function_args(plan))
 
     def fused_parameters(self, site):
         """``site.mixing_parameters()`` as they are: the kernels read any float dtype into fp32, so
@@ -102,7 +110,7 @@ class DynamicHC:
         phi, alpha, _ = site.mixing_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
-        xf = x.to(dtype)
+        xf = as_coefficient_dtype(x, dtype)
         proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi.to(dtype))  # [..., s, n + 2]
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
@@ -113,10 +121,12 @@ class DynamicHC:
         pre, post, res = self.logits(site, x)
         return b_pre + pre, b_post + post, b_res + res
 
-    def fused_start(self, site, x: torch.Tensor):
+    def fused_start(self, site, x: torch.Tensor, plan=None):
         T = math.prod(x.shape[:-2])
-        h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in self.reference(site, x))
-        x_in, x_pass = PreMixFunction.apply(x, h_pre)
+        with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
+            coefficients = self.reference(site, x)
+        h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in coefficients)
+        x_in, x_pass = PreMixFunction.apply(x, h_pre, *function_args(plan))
         return x_in, h_pre, h_post, h_res, x_pass
 
 
@@ -143,12 +153,12 @@ class Static:
         h_pre, h_post, h_res = self.coefficients(site)
         return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
 
-    def fused_start(self, site, x: torch.Tensor):
+    def fused_start(self, site, x: torch.Tensor, plan=None):
         # one set of coefficients, broadcast over tokens (token stride 0)
         T, n = math.prod(x.shape[:-2]), x.shape[-2]
         h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))
         h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
-        x_in, x_pass = PreMixFunction.apply(x, h_pre)
+        x_in, x_pass = PreMixFunction.apply(x, h_pre, *function_args(plan))
         return x_in, h_pre, h_post, h_res, x_pass
 
 

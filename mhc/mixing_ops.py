@@ -112,6 +112,27 @@ def _(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, gr
     return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
 
 
+def _advance_streams(mix, x, recipe_steps):
+    """``x`` after the post-mix steps ``recipe_steps`` (flat ``(h_res, y, h_post)`` triples), each with ``mix``."""
+    for i in range(0, len(recipe_steps), 3):
+        h_res, y, h_post = recipe_steps[i:i + 3]
+        x = mix(x, h_res, y, h_post)
+    return x
+
+
+@torch.library.custom_op("mhc::stream_recompute", mutates_args=())
+def _stream_recompute_op(start: torch.Tensor, steps: list[torch.Tensor], after: torch.Tensor) -> torch.Tensor:
+    # ``after``: a gradient the caller's backward received, unused. Under torch.compile it keeps
+    # the op in the backward graph: an op that depends on forward values only is moved to the
+    # forward by the partitioner, which then saves its output (docs/recompute.md).
+    return _advance_streams(_kernels().stream_mix.stream_mix_fwd_unchecked, start, steps)
+
+
+@_stream_recompute_op.register_fake
+def _(start, steps, after):
+    return torch.empty_like(start)
+
+
 def _stream_mix_bwd_compiled(*args):
     return tuple(_none_if_empty(t) for t in torch.ops.mhc.stream_mix_bwd(*args))
 
@@ -122,6 +143,7 @@ _COMPILED = SimpleNamespace(
     stream_mix_bwd=_stream_mix_bwd_compiled,
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
     coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
+    stream_recompute=lambda start, steps, after: torch.ops.mhc.stream_recompute(start, list(steps), after),
 )
 
 
@@ -135,6 +157,8 @@ def _launchers():
         _EAGER = SimpleNamespace(
             stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked, stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
             coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked, coefficients_bwd=k.coefficients_bwd,
+            stream_recompute=lambda start, steps, after: _advance_streams(k.stream_mix.stream_mix_fwd_unchecked,
+                                                                          start, steps),
         )
     return _EAGER
 
@@ -156,68 +180,116 @@ def _tokens_of(x: torch.Tensor, d: int) -> tuple:
     return (*x.shape[:-2], d)
 
 
+# Recompute mode (mhc.recompute): a Function that starts or post-mixes a site which is not the
+# first of its block gets ``at`` (the backward's cache of its streams, or None under
+# torch.compile) and the flat ``recipe`` (the block's first streams and the post-mix steps since),
+# and saves the recipe instead of the streams; otherwise ``at`` is None and ``recipe`` empty.
+
+
+def fused_mix(x, h_res, y, h_post):
+    """One post-mix step on the fused path (the forward's kernel): what rebuilds streams there."""
+    return _launchers().stream_mix_fwd(x, h_res, y, h_post)
+
+
+def _save_with_streams(ctx, x, at, recipe, *tensors) -> None:
+    """Save ``tensors`` and then the streams ``x``, or in recompute mode the recipe that rebuilds
+    them."""
+    ctx.at, ctx.recipe_len = at, len(recipe)
+    ctx.save_for_backward(*tensors, *(recipe or (x,)))
+
+
+def _saved_and_streams(ctx, after):
+    """``(tensors, x)``: what :func:`_save_with_streams` saved, with the streams rebuilt in
+    recompute mode. ``after``: a gradient this backward received (see ``mhc::stream_recompute``).
+    Reads ``ctx.saved_tensors`` once (activation checkpointing allows one read)."""
+    saved = ctx.saved_tensors
+    k = ctx.recipe_len or 1
+    tensors, recipe = saved[:-k], saved[-k:]
+    return tensors, _rebuild(ctx.at, recipe, (), after)
+
+
+def _rebuild(at, recipe, more_steps: tuple, after):
+    """The streams of ``recipe`` advanced by ``more_steps`` (a flat triple or nothing): from the
+    block's cache ``at`` in eager mode, with the ``stream_recompute`` op under torch.compile."""
+    from mhc.recompute import steps_of
+
+    start, steps = recipe[0], recipe[1:] + more_steps
+    if not steps:
+        return start
+    if at is not None:
+        return at.get(start, steps_of((start, *steps)), fused_mix)
+    return _launchers().stream_recompute(start, steps, after)
+
+
+def _first(*grads):
+    return next(g for g in grads if g is not None)
+
+
 class PreMixFunction(torch.autograd.Function):
     """``x_in = sum_j h_pre[:, j] x[..., j, :]`` for given coefficients. ``(x [..., n, d], h_pre [T, n])``
-    -> ``(x_in [..., d], x_pass = x)``."""
+    -> ``(x_in [..., d], x_pass = x)``; ``at, *recipe``: recompute mode (above)."""
 
     @staticmethod
-    def forward(ctx, x, h_pre):
+    def forward(ctx, x, h_pre, at=None, *recipe):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
         x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
-        ctx.save_for_backward(x, h_pre)
+        _save_with_streams(ctx, x, at, recipe, h_pre)
         return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_x_pass):
         refuse_double_backward("the fused pre-mix (HyperConnection, StreamCollapse)")
+        none = (None,) * (1 + ctx.recipe_len)
         if grad_x_in is None:
-            return grad_x_pass, None
-        x, h_pre = ctx.saved_tensors
+            return grad_x_pass, None, *none
+        (h_pre,), x = _saved_and_streams(ctx, grad_x_in)
+        ctx.at = None  # the streams' cache is freed once no Function of the site needs it
         dx, _, dh_pre, _ = _launchers().stream_mix_bwd(
             x, h_pre[:, None, :], None, None, grad_x_in.unsqueeze(-2), grad_x_pass, True
         )
-        return dx, dh_pre.view(h_pre.shape)
+        return dx, dh_pre.view(h_pre.shape), *none
 
 
 class PostMixFunction(torch.autograd.Function):
     """``out[..., i, :] = sum_j h_res[:, i, j] x[..., j, :] + h_post[:, i] y``.
-    ``(x [..., n, d], y [..., d] or None, h_post [T, n] or None, h_res [T, n, n])`` -> ``[..., n, d]``."""
+    ``(x [..., n, d], y [..., d] or None, h_post [T, n] or None, h_res [T, n, n])`` -> ``[..., n, d]``;
+    ``at, *recipe``: recompute mode (above)."""
 
     @staticmethod
-    def forward(ctx, x, y, h_post, h_res):
+    def forward(ctx, x, y, h_post, h_res, at=None, *recipe):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
-        ctx.save_for_backward(x, y, h_post, h_res)
+        _save_with_streams(ctx, x, at, recipe, y, h_post, h_res)
         return _launchers().stream_mix_fwd(x, h_res, y, h_post)
 
     @staticmethod
     def backward(ctx, grad_out):
         refuse_double_backward("the fused post-mix (HyperConnection, LaneMixer)")
+        none = (None,) * (1 + ctx.recipe_len)
         if grad_out is None:
-            return None, None, None, None
-        x, y, h_post, h_res = ctx.saved_tensors
+            return None, None, None, None, *none
+        (y, h_post, h_res), x = _saved_and_streams(ctx, grad_out)
+        ctx.at = None
         dx, dy, dh_res, dh_post = _launchers().stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
-        return dx, dy, dh_post, dh_res
+        return dx, dy, dh_post, dh_res, *none
 
 
-def _save_coefficients(ctx, x, params, outputs, settings, *extra):
-    """Save what a coefficient forward's backward needs: ``x``, ``phi`` and ``alpha``, the per-token
+def _save_coefficients(ctx, x, params, outputs, settings, at, recipe, *extra):
+    """Save what a coefficient forward's backward needs: ``phi`` and ``alpha``, the per-token
     fp32 values and the Sinkhorn's saved tensor (its logits; its output for the implicit backward),
-    then ``extra``."""
+    ``extra``, then the streams ``x`` (or their recipe)."""
     p, r, h_pre, h_post, z_res, h_res = outputs
     sinkhorn_saved = z_res if settings[1] == "exact" else h_res
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, *params[:2], p, r, h_pre, h_post, sinkhorn_saved, *extra)
+    _save_with_streams(ctx, x, at, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved, *extra)
     ctx.settings = settings
     ctx.bias_alpha_split = [params[2].numel(), 3]  # the kernels' packed [dbias | dalpha]
 
 
-def _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res):
+def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res):
     """``(dz_res, grad_x_in, grad_h_post)``: the Sinkhorn backward of ``grad_h_res`` and the
-    incoming gradients, ``None`` replaced by zeros. ``saved``: ``ctx.saved_tensors``, read once
-    (activation checkpointing allows one read)."""
-    x, h_post, sinkhorn_saved = saved[0], saved[6], saved[7]
+    incoming gradients, ``None`` replaced by zeros."""
     iters, backward, _, hc_eps = ctx.settings
     if grad_x_in is None:
         grad_x_in = x.new_zeros(_tokens_of(x, x.shape[-1]))
@@ -242,28 +314,30 @@ class MHCPreMixFunction(torch.autograd.Function):
     ``(x [..., n, d], phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])`` (parameters in any float
     dtype, read into fp32 by the kernels) -> ``(x_in [..., d], h_pre [T, n], h_post [T, n],
     h_res [T, n, n], x_pass = x)``. Saved: ``x`` and per-token fp32 values (``p``, ``r``,
-    coefficients, Sinkhorn logits).
+    coefficients, Sinkhorn logits); ``at, *recipe``: recompute mode (above).
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps):
+    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, *recipe):
         params = (phi, alpha, bias)
         x = x.contiguous()
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
-        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps))
+        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, recipe)
         return x_in, outputs[2], outputs[3], outputs[5], x
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
         refuse_double_backward("the fused mHC coefficients (HyperConnection)")
-        saved = ctx.saved_tensors
-        x, phi, alpha, p, r, h_pre, h_post, _ = saved
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
+        after = _first(grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
+        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved), x = _saved_and_streams(ctx, after)
+        ctx.at = None
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post,
+                                                            grad_h_res)
         dx, dphi, dbias_alpha = _launchers().coefficients_bwd(
             x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None)
+        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None, *(None,) * (1 + ctx.recipe_len))
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -277,31 +351,50 @@ class MHCSeamFunction(torch.autograd.Function):
     ``l+1``'s ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for
     the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
     forward would save apart.
+
+    Recompute mode (above): ``at, *recipe`` rebuild ``x``; ``next_at`` caches ``x_pass``, which is
+    saved only with ``keep_next`` (it starts a block) and otherwise rebuilt from ``x``.
     """
 
     @staticmethod
-    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps):
+    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, next_at=None,
+                keep_next=True, *recipe):
         params = (phi, alpha, bias)
         run = _launchers()
         x = x.contiguous()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
-        _save_coefficients(ctx, x_next, params, outputs, (iters, backward, eps, hc_eps), x, y, h_post_l, h_res_l)
+        kept = (x_next,) if keep_next else ()
+        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, recipe,
+                           h_res_l, y, h_post_l, *kept)
+        ctx.next_at = next_at
         return x_in, outputs[2], outputs[3], outputs[5], x_next
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
         refuse_double_backward("the fused seam of chained sites (finish(y, next=))")
+        after = _first(grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
         saved = ctx.saved_tensors
-        x_next, phi, alpha, p, r, h_pre, h_post, _, x, y, h_post_l, h_res_l = saved
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, saved, grad_x_in, grad_h_post, grad_h_res)
+        k = ctx.recipe_len or 1
+        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved, h_res_l, y, h_post_l, *kept), recipe = saved[:-k], saved[-k:]
+        x = _rebuild(ctx.at, recipe, (), after)
+        if kept:
+            x_next = kept[0]
+        elif ctx.next_at is not None:  # eager: x_next's position in the cache (x's is filled now)
+            x_next = _rebuild(ctx.next_at, recipe, (h_res_l, y, h_post_l), after)
+        else:
+            x_next = _rebuild(None, (x,), (h_res_l, y, h_post_l), after)
+        ctx.at = ctx.next_at = None
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x_next, h_post, sinkhorn_saved, grad_x_in,
+                                                            grad_h_post, grad_h_res)
         run = _launchers()
         dx_next, dphi, dbias_alpha = run.coefficients_bwd(
             x_next, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None)
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None,
+                None, None, None, *(None,) * ctx.recipe_len)
 
 
 # ------------------------------------------------------------------------------ functionals

@@ -26,6 +26,7 @@ from einops import einsum
 
 from mhc.layer import _kernels
 from mhc.mixing_ops import MAX_FUSED_STREAMS, MHCSeamFunction, PostMixFunction
+from mhc.recompute import function_args, reference_scope
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
@@ -92,6 +93,14 @@ def branch_output(out, shape, device):
     return out, rest
 
 
+def reference_post_mix(x, h_res, y, h_post):
+    """The reference post-mix ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y`` in ``x``'s dtype (also
+    the step that rebuilds streams on the reference path)."""
+    dtype = x.dtype
+    mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
+    return mixed + einsum(h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d")
+
+
 def _returned(rest, *values):
     """``finish``'s result: the values alone, or a tuple with the branch's extras after them."""
     if len(values) == 1 and not rest:
@@ -105,8 +114,11 @@ class Site:
     A subclass provides ``n_streams``, ``dim``, ``backend``, ``sinkhorn_iters``, ``backward``,
     ``rms_eps``, ``hc_eps``, ``source`` (an :mod:`mhc.coefficients` source), ``_recorder``
     (``None``, or the tuple of lists that the open :func:`mhc.mixing.collect_h_res` blocks set) and
-    :meth:`mixing_parameters`.
+    :meth:`mixing_parameters`. ``_recompute`` is the model's :class:`mhc.recompute.StreamRecompute`
+    (``None``: the site saves its streams), set by :func:`mhc.recompute.recompute_streams`.
     """
+
+    _recompute = None
 
     def mixing_parameters(self):
         """``(phi, alpha, bias)``: the projection, the gates ``alpha [3] = (a_pre, a_post, a_res)``
@@ -134,23 +146,31 @@ class Site:
         the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
         """
         self._check_input(x)
-        if layer_backend(x, self.n_streams, self.backend) == "triton":
-            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x)
-            return self._fused_finish(x_in, h_post, h_res, x_pass)
-        h_pre, h_post, h_res = self.source.reference(self, x)
+        path = layer_backend(x, self.n_streams, self.backend)
+        schedule = self._recompute
+        plan = None if schedule is None else schedule.plan(x, path)
+        if path == "triton":
+            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x, plan)
+            if schedule is not None:
+                schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
+            return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
+        with reference_scope(plan, x, reference_post_mix):
+            h_pre, h_post, h_res = self.source.reference(self, x)
+            x_in = einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
+        if schedule is not None and plan is None:
+            schedule.begin(x, path)
         self._record(h_res)
-        x_in = einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
-        return x_in, ReferenceFinish(self, x, h_post, h_res)
+        return x_in, ReferenceFinish(self, x, h_post, h_res, plan)
 
     def _check_input(self, x) -> None:
         check_streams(x, self.n_streams, self.dim, "x")
         check_same_device(x, self.mixing_parameters()[2].device, "x", "the layer's parameters")
 
-    def _fused_finish(self, x_in, h_post, h_res, x_pass):
+    def _fused_finish(self, x_in, h_post, h_res, x_pass, plan):
         if self._recorder is not None:  # the reshape only while recording: it costs host time per site
             n = self.n_streams
             self._record(h_res.expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
-        return x_in, FusedFinish(self, x_pass, h_post, h_res)
+        return x_in, FusedFinish(self, x_pass, h_post, h_res, plan)
 
     def _record(self, h_res: torch.Tensor) -> None:
         for records in self._recorder or ():
@@ -169,38 +189,57 @@ class Site:
 class ReferenceFinish:
     """``finish`` of the reference path: ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``."""
 
-    def __init__(self, site: Site, x, h_post, h_res):
-        self.site, self.x, self.h_post, self.h_res = site, x, h_post, h_res
+    def __init__(self, site: Site, x, h_post, h_res, plan=None):
+        self.site, self.x, self.h_post, self.h_res, self.plan = site, x, h_post, h_res, plan
 
     def __call__(self, y, next: Site | None = None):
         x = self.x
         y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
         if next is not None:
             self.site._check_next(next)
-        dtype = x.dtype
-        mixed = einsum(self.h_res.to(dtype), x, "... t s, ... s d -> ... t d")
-        out = mixed + einsum(self.h_post.to(dtype), y.to(dtype), "... t, ... d -> ... t d")
+        with reference_scope(self.plan, x, reference_post_mix):
+            out = reference_post_mix(x, self.h_res, y, self.h_post)
+        schedule = self.site._recompute
+        if schedule is not None:
+            schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at())
         return _returned(rest, out) if next is None else _returned(rest, *next.split(out))
 
 
 class FusedFinish:
     """``finish`` of the fused path: the post-mix, or with ``next`` the seam op when the next
     site's coefficients are dynamic mHC. Streams keep their leading dims; the coefficients are per
-    flattened token."""
+    flattened token. ``plan``: how the site's Functions rebuild ``x_pass`` in recompute mode."""
 
-    def __init__(self, site: Site, x_pass, h_post, h_res):
-        self.site, self.x_pass, self.h_post, self.h_res = site, x_pass, h_post, h_res
+    def __init__(self, site: Site, x_pass, h_post, h_res, plan=None):
+        self.site, self.x_pass, self.h_post, self.h_res, self.plan = site, x_pass, h_post, h_res, plan
 
     def __call__(self, y, next: Site | None = None):
         site, x = self.site, self.x_pass
         y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
+        schedule = site._recompute
         if next is None:
-            return _returned(rest, PostMixFunction.apply(x, y, self.h_post, self.h_res))
+            return _returned(rest, self._post_mix(y, schedule))
         site._check_next(next)
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
-            return _returned(rest, *next.split(PostMixFunction.apply(x, y, self.h_post, self.h_res)))
+            return _returned(rest, *next.split(self._post_mix(y, schedule)))
+        # the seam: the next site's streams are saved when they start a block, else rebuilt
+        continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
+        next_at = schedule.next_at() if continues else None
+        at, recipe = (None, ()) if self.plan is None else (self.plan.at, self.plan.recipe())
         x_in, _, h_post, h_res, x_pass = MHCSeamFunction.apply(
             x, y, self.h_post, self.h_res, *next.source.fused_parameters(next),
-            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps,
+            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps, at, next_at, not continues, *recipe,
         )
-        return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass))
+        plan = None
+        if continues:
+            schedule.advance(x, (self.h_res, y, self.h_post), x_pass, next_at)
+            plan = schedule.plan(x_pass, "triton")
+        elif next._recompute is not None:
+            next._recompute.begin(x_pass, "triton")
+        return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, plan))
+
+    def _post_mix(self, y, schedule):
+        out = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))
+        if schedule is not None:
+            schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at())
+        return out

@@ -27,16 +27,23 @@ from torch.utils.checkpoint import checkpoint
 from mhc.layer import FusedMHC
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, LaneMixer, StreamExpand, reduce_streams
+from mhc.recompute import recompute_streams
 
 VOCAB, DIM, STREAMS, SEQ, BATCH, STEPS, LR = 16, 8, 4, 6, 8, 4, 1e-3
 
 
 class MLP(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, checkpointed: bool = False):
         super().__init__()
         self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.checkpointed = checkpointed
 
     def forward(self, h):
+        if self.checkpointed:
+            return checkpoint(self._forward, h, use_reentrant=False)
+        return self._forward(h)
+
+    def _forward(self, h):
         return self.down(torch.tanh(self.up(h)))
 
 
@@ -44,15 +51,15 @@ class EveryModule(nn.Module):
     """Embedding -> StreamExpand -> mHC and HC hyper-connections -> a FusedMHC-mixed and a
     LaneMixer-mixed stream -> mean of two streams -> LinearCrossEntropy."""
 
-    def __init__(self, checkpoint_blocks: bool = False):
+    def __init__(self, checkpoint_blocks: bool = False, checkpoint_branches: bool = False):
         super().__init__()
         self.checkpoint_blocks = checkpoint_blocks
         self.embed = nn.Embedding(VOCAB, DIM)
         self.expand = StreamExpand(STREAMS, DIM)
         self.blocks = nn.ModuleList([
-            HyperConnection(DIM, STREAMS, MLP(DIM), init="zero"),
-            HyperConnection(DIM, STREAMS, MLP(DIM), constraint="none"),
-            HyperConnection(DIM, STREAMS, MLP(DIM), dynamic=False),
+            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), init="zero"),
+            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), constraint="none"),
+            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), dynamic=False),
         ])
         self.mix_logits = nn.Parameter(torch.randn(STREAMS, STREAMS))
         self.sinkhorn = FusedMHC(mhc_iters=10)
@@ -71,9 +78,13 @@ class EveryModule(nn.Module):
         return self.head(reduce_streams(x[..., :2, :]), targets)  # all n streams' mean would not see the mixing
 
 
-def build_model(checkpoint_blocks: bool = False) -> EveryModule:
+def build_model(checkpoint_blocks: bool = False, checkpoint_branches: bool = False,
+                recompute: int = 1) -> EveryModule:
+    """``recompute``: the block length of :func:`mhc.recompute.recompute_streams` (1: off)."""
     torch.manual_seed(0)
-    return EveryModule(checkpoint_blocks)
+    model = EveryModule(checkpoint_blocks, checkpoint_branches)
+    recompute_streams(model, recompute)
+    return model
 
 
 def batches():
@@ -138,6 +149,13 @@ def main(out: Path) -> None:
     results["fsdp_checkpointed"] = dict(losses=train(model, rank, world), params=full_state(model))
     progress("fsdp_checkpointed")
 
+    # the streams recomputed in blocks of 2 sites, alone and with checkpointed branches or blocks
+    for name, options in (("fsdp_recompute", {}), ("fsdp_recompute_checkpointed_branches", dict(checkpoint_branches=True)),
+                          ("fsdp_recompute_checkpointed", dict(checkpoint_blocks=True))):
+        model = shard(build_model(recompute=2, **options))
+        results[name] = dict(losses=train(model, rank, world), params=full_state(model))
+        progress(name)
+
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = shard(build_model(), mp_policy=mp)
     results["fsdp_bf16"] = dict(losses=train(model, rank, world), params=full_state(model))
@@ -147,6 +165,11 @@ def main(out: Path) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     results["ddp"] = dict(losses=train(model, rank, world, wrapped=ddp), params=model.state_dict())
     progress("ddp")
+    del ddp
+    model = build_model(recompute=2)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    results["ddp_recompute"] = dict(losses=train(model, rank, world, wrapped=ddp), params=model.state_dict())
+    progress("ddp_recompute")
 
     if rank == 0:
         for name, result in results.items():

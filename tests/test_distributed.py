@@ -62,8 +62,11 @@ def test_the_model_trains_every_parameter(single_process):
     assert loss < single_process["losses"][0]
 
 
-@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_checkpointed", "ddp"])
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_checkpointed", "ddp", "fsdp_recompute",
+                                      "fsdp_recompute_checkpointed_branches", "fsdp_recompute_checkpointed",
+                                      "ddp_recompute"])
 def test_two_ranks_equal_one_process(distributed_results, single_process, scenario):
+    # with recompute_streams the same training to rounding: the streams are rebuilt exactly
     assert_same_training(torch.load(distributed_results / f"{scenario}.pt"), single_process)
 
 
@@ -80,11 +83,14 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(distributed_results, single_p
     assert torch.nn.functional.cosine_similarity(update, reference, dim=0) > 0.98
 
 
-def test_activation_checkpointing_recomputes_identical_gradients():
+@pytest.mark.parametrize("options", [dict(checkpoint_blocks=True), dict(checkpoint_branches=True),
+                                     dict(recompute=2), dict(recompute=3, checkpoint_branches=True),
+                                     dict(recompute=2, checkpoint_blocks=True)])
+def test_activation_checkpointing_and_recompute_give_identical_gradients(options):
     batch = worker.batches()[0]
     grads = []
-    for checkpoint_blocks in (False, True):
-        model = worker.build_model(checkpoint_blocks)
+    for kwargs in ({}, options):
+        model = worker.build_model(**kwargs)
         model(batch[:, :-1], batch[:, 1:]).backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for key, grad in grads[0].items():

@@ -26,6 +26,7 @@ import torch
 from mhc.coefficients import DYNAMIC_MHC
 from mhc.layer import BACKENDS, MAX_EPS_N
 from mhc.mixing import stream_collapse
+from mhc.recompute import recompute_streams
 from mhc.sites import MAX_FUSED_STREAMS, Site
 
 __all__ = ["patch_deepseek_v4"]
@@ -119,13 +120,16 @@ def _patched_classes():
 _PATCHED: dict = {}
 
 
-def patch_deepseek_v4(model, backend: str = "auto"):
+def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = False):
     """Run a transformers DeepSeek-V4 model's hyper-connections on ``mhc``, in place; returns ``model``.
 
     Args:
         model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (already patched is fine).
         backend: ``"auto"`` (fused Triton kernels for CUDA tensors, the PyTorch reference
             otherwise), ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"``.
+        recompute: rebuild the streams in the backward instead of saving them at every site
+            (:func:`mhc.recompute.recompute_streams`): ``True`` with the paper's block length,
+            an int for that block length, ``False`` (or 1) to save them at every site.
 
     After patching, transformers' ``DeepseekV4HyperConnection.forward``,
     ``DeepseekV4HyperHead.forward`` and ``DeepseekV4DecoderLayer.forward`` no longer run for this
@@ -144,6 +148,10 @@ def patch_deepseek_v4(model, backend: str = "auto"):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, (v4.DeepseekV4ForCausalLM, v4.DeepseekV4Model)):
         raise TypeError(f"patch_deepseek_v4 takes a DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+    if not isinstance(recompute, (bool, int)):
+        raise TypeError(f"recompute must be a bool or an int, got {type(recompute).__name__}")
+    if recompute is not False and recompute is not True and recompute < 1:
+        raise ValueError(f"recompute must be True, False or a block length >= 1, got {recompute}")
     base = model.model if isinstance(model, v4.DeepseekV4ForCausalLM) else model
     n = base.config.hc_mult
     limit = min(MAX_FUSED_STREAMS, MAX_EPS_N)
@@ -157,4 +165,5 @@ def patch_deepseek_v4(model, backend: str = "auto"):
             site.backend = backend
     base.hc_head.__class__ = classes["head"]
     base.hc_head.backend = backend
+    recompute_streams(model, None if recompute is True else 1 if recompute is False else recompute)
     return model

@@ -1,0 +1,314 @@
+"""Recomputing the streams in the backward: mHC at about the plain model's activation memory
+(arXiv 2512.24880, section 4.3).
+
+Without recompute every site saves the streams it reads, ``n * dim`` values per token. With
+:func:`recompute_streams`, the sites of a model form blocks of ``every`` consecutive sites (in the
+order they run); only the first site of a block keeps its streams. Every later site keeps a
+*recipe* instead: the block's first streams ``x_s`` and the post-mix steps since,
+``x_{k+1} = h_res_k x_k + h_post_k y_k``, whose per-token coefficients and branch outputs ``y_k``
+the post-mixes keep anyway. The backward rebuilds the streams with the forward's own mixing
+kernel (so they are bit-identical to the forward's); the branches never run again.
+
+How the pieces fit:
+
+- :class:`StreamRecompute` (one per model) follows the forward: which streams tensor continues the
+  current block, its recipe, and where a new block starts. A site continues the block only if its
+  input *is* the tensor the previous site returned (anything done to the streams in between starts
+  a new block) and the block has room.
+- :class:`StreamsAt` (one per position of a block) caches the rebuilt streams in the backward: the
+  first site to need position ``p`` (the block's last site runs its backward first) rebuilds
+  positions ``1..p`` once; each position is freed when the Functions that read it are done. The
+  transient is at most one block of streams, which is what the paper's ``L_r* = sqrt(n L / (n + 2))``
+  balances against the blocks' first streams (:func:`optimal_block`).
+- Under ``torch.compile`` the Functions cannot share Python state in their backward, so each one
+  rebuilds its streams from the block's first ones with the ``mhc::stream_recompute`` op
+  (:mod:`mhc.mixing_ops`), and the compiled graph's common-subexpression pass merges the repeats.
+- The reference path (``backend="torch"``) saves the streams inside PyTorch ops, so there the
+  site's ops run under saved-tensor hooks (:func:`reference_scope`) that swap every saved tensor
+  sharing the streams' memory for a handle that rebuilds it.
+
+``docs/recompute.md`` gives the memory arithmetic, the measurements and why the design is a
+model-level setting rather than an argument of each site.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["recompute_streams", "optimal_block", "StreamRecompute"]
+
+
+def optimal_block(n_streams: int, n_sites: int) -> int:
+    """The paper's block length ``L_r* = sqrt(n L / (n + 2))`` for ``n`` streams and ``L`` sites,
+    rounded to the nearest integer, at least 1."""
+    return max(1, round(math.sqrt(n_streams * n_sites / (n_streams + 2))))
+
+
+class StreamsAt:
+    """The streams at one position ``p >= 1`` of a block, rebuilt at most once in the backward.
+
+    ``previous`` is the position before (``None`` for position 1, whose previous streams are the
+    block's first, saved as they are). A position keeps the one before alive, so the rebuilt
+    streams of a block live until the backward has passed them."""
+
+    __slots__ = ("previous", "value")
+
+    def __init__(self, previous: StreamsAt | None):
+        self.previous, self.value = previous, None
+
+    def get(self, start: torch.Tensor, steps, step):
+        """The streams at this position: ``start`` advanced by ``steps`` (``p`` tuples of ``step``'s
+        arguments after the streams), reusing and filling the cache of every position below."""
+        missing, known = [], self
+        while known is not None and known.value is None:
+            missing.append(known)
+            known = known.previous
+        x = start if known is None else known.value
+        for at, args in zip(reversed(missing), steps[len(steps) - len(missing):]):
+            x = step(x, *args)
+            at.value = x
+        return x
+
+
+class Plan:
+    """How a site's Functions get streams that they do not save: the block's first streams
+    ``start``, the steps since (tuples ``(h_res, y, h_post)``) and the backward's cache ``at``
+    (``None`` under ``torch.compile``)."""
+
+    __slots__ = ("start", "steps", "at")
+
+    def __init__(self, start, steps, at):
+        self.start, self.steps, self.at = start, steps, at
+
+    def recipe(self) -> tuple:
+        """``(start, h_res_1, y_1, h_post_1, ...)``: the tensors to save, flat."""
+        return (self.start, *(t for step in self.steps for t in step))
+
+
+def function_args(plan: Plan | None) -> tuple:
+    """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, *recipe)`` in
+    recompute mode, ``(None,)`` when the Function saves its streams."""
+    return (None,) if plan is None else (plan.at, *plan.recipe())
+
+
+def steps_of(recipe) -> list:
+    """The steps of a flat recipe (the inverse of :meth:`Plan.recipe` after ``start``)."""
+    return [tuple(recipe[i:i + 3]) for i in range(1, len(recipe), 3)]
+
+
+def _saved_tensor_hooks():
+    """The innermost open ``saved_tensors_hooks`` pair ``(pack, unpack)``, or ``None``."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _under_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` decides what this op saves (its forward, or its rerun in
+    the backward): the sites there keep their streams, so that both runs save the same tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    hooks = _saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+class StreamRecompute:
+    """The recompute setting of one model's sites and the block its forward is building.
+
+    ``every``: the block length ``L_r`` (sites per block; the first keeps its streams).
+    Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the block being built (the model's forward hooks call this before and after
+        each forward, so that no tensor outlives the forward here)."""
+        self.path, self.start, self.steps, self.streams, self.at = None, None, [], None, None
+
+    def plan(self, x: torch.Tensor, path: str) -> Plan | None:
+        """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
+        ``x`` starts a block (the site saves it), else the recipe that rebuilds it."""
+        if not torch.is_grad_enabled() or _under_checkpoint():
+            self.streams = None  # a site that saves its streams breaks the chain
+            return None
+        if x is self.streams and path == self.path and len(self.steps) < self.every:
+            return Plan(self.start, tuple(self.steps), self.at)
+        return None
+
+    def begin(self, x: torch.Tensor, path: str) -> None:
+        """``x`` (as the site saved it) starts a block."""
+        if torch.is_grad_enabled() and not _under_checkpoint():
+            self.path, self.start, self.steps, self.streams, self.at = path, x, [], x, None
+
+    def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
+        """A site's Function read ``x`` and returned the same streams as ``x_pass``."""
+        if x is self.streams:
+            self.streams = x_pass
+
+    def continues(self, x: torch.Tensor) -> bool:
+        """Whether the streams after a post-mix of ``x`` stay in this block."""
+        return x is self.streams and len(self.steps) + 1 < self.every
+
+    def next_at(self) -> StreamsAt | None:
+        """The cache of the position after the next step (``None`` under ``torch.compile``)."""
+        return None if torch.compiler.is_compiling() else StreamsAt(self.at)
+
+    def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None) -> None:
+        """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
+        ``out``'s position."""
+        if x is not self.streams:
+            self.streams = None
+            return
+        self.steps.append(step)
+        self.streams, self.at = out, at
+
+
+# ------------------------------------------------------------------------------ reference path
+
+
+class _Rebuild:
+    """What a reference-path op saved in place of a tensor sharing the streams' memory."""
+
+    __slots__ = ("plan", "shape", "geometry", "dtype")
+
+    def __init__(self, plan, shape, geometry, dtype):
+        self.plan, self.shape, self.geometry, self.dtype = plan, shape, geometry, dtype
+
+
+class _Outer:
+    """What the enclosing saved-tensor hooks (offloading, counting) packed of any other tensor."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+@contextlib.contextmanager
+def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "raise"):
+    """Run PyTorch ops on streams ``x`` so that what they save of ``x`` (views of it, and its
+    conversions registered with :func:`note_conversion`) is rebuilt from ``plan`` in the backward
+    instead of kept. ``step(x, h_res, y, h_post)``: the post-mix of ``plan``'s path.
+
+    Used for a whole site on the reference path, and for plain HC's PyTorch coefficients on the
+    fused path. Under ``torch.compile`` (no saved-tensor hooks there) ``compiled="raise"`` raises,
+    ``"keep"`` lets the ops save ``x``."""
+    if plan is None or (compiled == "keep" and torch.compiler.is_compiling()):
+        yield
+        return
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "recompute_streams on the reference path (backend='torch') runs in eager mode only: it saves "
+            "through saved-tensor hooks. Compile with backend='triton' sites, or turn it off with "
+            "recompute_streams(model, every=1)"
+        )
+    sources = {x.untyped_storage().data_ptr(): x}
+    layout = (tuple(x.shape), tuple(x.stride()))
+    outer = _saved_tensor_hooks()  # what is not the streams still goes through them
+
+    def pack(t):
+        source = sources.get(t.untyped_storage().data_ptr()) if t.device == x.device else None
+        if source is None or t.storage_offset() < source.storage_offset():
+            return t if outer is None else _Outer(outer[0](t))
+        geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - source.storage_offset())
+        return _Rebuild(plan, layout, geometry, source.dtype)
+
+    def unpack(saved):
+        if isinstance(saved, _Outer):
+            return outer[1](saved.packed)
+        if not isinstance(saved, _Rebuild):
+            return saved
+        p = saved.plan
+        x_rebuilt = p.at.get(p.start, p.steps, step) if p.at is not None else _advance(p.start, p.steps, step)
+        shape, stride = saved.shape
+        base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=x_rebuilt.device)
+        base.copy_(x_rebuilt)
+        size, strides, offset = saved.geometry
+        return base.as_strided(size, strides, offset)
+
+    _CONVERSIONS.append(sources)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _CONVERSIONS.pop()
+
+
+_CONVERSIONS: list = []  # the open reference scopes' {storage: source} maps
+
+
+def note_conversion(x: torch.Tensor, converted: torch.Tensor) -> None:
+    """``converted`` is ``x.to(dtype)``: inside a :func:`reference_scope` over ``x``, what ops save
+    of it is rebuilt too."""
+    if _CONVERSIONS and converted is not x:
+        sources = _CONVERSIONS[-1]
+        if x.untyped_storage().data_ptr() in sources:
+            sources[converted.untyped_storage().data_ptr()] = converted
+
+
+def _advance(x, steps, step):
+    for args in steps:
+        x = step(x, *args)
+    return x
+
+
+# ------------------------------------------------------------------------------ the setting
+
+
+def _sites(model: nn.Module) -> list:
+    from mhc.sites import Site
+
+    return [m for m in model.modules() if isinstance(m, Site)]
+
+
+def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecompute | None:
+    """Recompute the streams of ``model``'s hyper-connection sites in the backward instead of
+    saving them; returns the setting (``None`` when turned off).
+
+    Args:
+        model: any module holding :class:`mhc.mixing.HyperConnection` sites (or sites of a model
+            patched by :func:`mhc.integrations.transformers.patch_deepseek_v4`), called one by
+            one or chained with ``finish(y, next=)``.
+        every: the block length ``L_r``: the streams are kept at the first of every ``every``
+            consecutive sites and rebuilt for the others. ``None``: the paper's optimum
+            :func:`optimal_block` for the model's ``n`` and number of sites. ``1`` turns
+            recompute off (every site keeps its streams, as without this call).
+
+    Gradients are those without recompute: the backward rebuilds the streams with the forward's
+    mixing ops. A block ends early where the streams are changed between two sites, where the
+    path changes (fused / reference), under activation checkpointing or other saved-tensor hooks
+    of the sites themselves (they decide what is saved there) and with grad mode off.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``every`` not an int.
+        ValueError: ``every < 1``, or ``model`` has no hyper-connection site.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int)):
+        raise TypeError(f"every must be an int or None, got {type(every).__name__}")
+    if every is not None and every < 1:
+        raise ValueError(f"every must be >= 1 (1 turns recompute off), got {every}")
+    sites = _sites(model)
+    if not sites:
+        raise ValueError("model holds no hyper-connection site (HyperConnection or a patched model's)")
+    for handle in getattr(model, "_mhc_recompute_hooks", ()):
+        handle.remove()
+    if every is None:
+        every = optimal_block(max(s.n_streams for s in sites), len(sites))
+    setting = StreamRecompute(every) if every > 1 else None
+    for site in sites:
+        site._recompute = setting
+    if setting is None:
+        model._mhc_recompute_hooks = ()
+        return None
+    model._mhc_recompute_hooks = (
+        model.register_forward_pre_hook(lambda module, args: setting.clear()),
+        model.register_forward_hook(lambda module, args, out: setting.clear()),
+    )
+    return setting

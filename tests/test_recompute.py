@@ -1,0 +1,309 @@
+"""``recompute_streams``: the streams rebuilt in the backward instead of saved.
+
+Gradients with recompute are compared with the same model without it (bit-identical: the same
+kernels run on the same values in the same order), over sites called one by one and chained,
+mixed kinds of layer, block lengths from 1 to beyond the number of sites and both paths; what
+autograd saves is sized with saved-tensor hooks. On CPU the fused path runs in Triton's
+interpreter; on a GPU the compiled kernels.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mhc.mixing import HyperConnection, expand_streams, reduce_streams
+from mhc.recompute import StreamRecompute, optimal_block, recompute_streams
+from tests.conftest import KERNEL_DEVICE
+
+BACKENDS = ["torch", "triton"]
+KINDS = {"mhc": {}, "hc": dict(constraint="none"), "static": dict(dynamic=False)}
+
+
+class Branch(nn.Module):
+    def __init__(self, dim, checkpointed=False):
+        super().__init__()
+        self.linear, self.checkpointed = nn.Linear(dim, dim), checkpointed
+
+    def forward(self, h):
+        if self.checkpointed:
+            return checkpoint(self._forward, h, use_reentrant=False)
+        return self._forward(h)
+
+    def _forward(self, h):
+        return torch.tanh(self.linear(h))
+
+
+class Stack(nn.Module):
+    """Sites over small branches, called one by one (``chain=False``) or chained with
+    ``finish(y, next=)``; ``touch``: the streams are changed between sites 1 and 2."""
+
+    def __init__(self, dim, n, kinds, backend, chain=False, checkpointed=False, touch=False):
+        super().__init__()
+        self.n, self.chain, self.touch = n, chain, touch
+        self.sites = nn.ModuleList(
+            HyperConnection(dim, n, Branch(dim, checkpointed), backend=backend, **KINDS[kind]) for kind in kinds
+        )
+        with torch.no_grad():  # off the init, so that every coefficient matters
+            for p in self.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+
+    def forward(self, h):
+        x = expand_streams(h, self.n)
+        if not self.chain:
+            for i, site in enumerate(self.sites):
+                x = site(x)
+                if self.touch and i == 1:
+                    x = x * 1.5
+            return reduce_streams(x)
+        x_in, finish = self.sites[0].split(x)
+        for site, following in zip(self.sites, [*self.sites[1:], None]):
+            y = site.branch(x_in)
+            if following is None:
+                return reduce_streams(finish(y))
+            x_in, finish = finish(y, next=following)
+
+
+def stack(kinds, backend, seed=0, dim=8, n=4, dtype=torch.float32, **kwargs):
+    torch.manual_seed(seed)
+    return Stack(dim, n, kinds, backend, **kwargs).to(KERNEL_DEVICE, dtype)
+
+
+def gradients(model, h, grad):
+    """The input's and every parameter's gradient for upstream gradient ``grad`` (random: the
+    output is a mean of the streams, an all-ones gradient would hide the mixing)."""
+    model.zero_grad(set_to_none=True)
+    h = h.clone().requires_grad_()
+    model(h).backward(grad)
+    return [h.grad, *(p.grad for p in model.parameters())]
+
+
+def assert_equal_gradients(model, every, lead=(2, 3), dtype=torch.float32):
+    dim = model.sites[0].dim
+    h = torch.randn(*lead, dim, device=KERNEL_DEVICE, dtype=dtype)
+    grad = torch.randn_like(h)
+    recompute_streams(model, 1)
+    want = gradients(model, h, grad)
+    recompute_streams(model, every)
+    got = gradients(model, h, grad)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+
+
+def saved_bytes(model, h) -> int:
+    """The bytes of every storage autograd saves during a forward (saved-tensor hooks)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(h.clone().requires_grad_())
+    return sum(storages.values())
+
+
+def first_sites(n_sites: int, every: int) -> int:
+    return math.ceil(n_sites / every)
+
+
+# ------------------------------------------------------------------------------ gradients
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chain", [False, True])
+@given(
+    kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=5),
+    every=st.integers(1, 7),
+    lead=st.sampled_from([(3,), (2, 3), (1, 1, 2)]),
+    n=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([4, 8, 24]),
+)
+def test_gradients_equal_without_recompute(backend, chain, kinds, every, lead, n, dim):
+    model = stack(kinds, backend, dim=dim, n=n, chain=chain)
+    assert_equal_gradients(model, every, lead)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chain", [False, True])
+def test_every_block_length_from_one_to_beyond_the_sites(backend, chain):
+    model = stack(["mhc", "mhc", "hc", "mhc", "static", "mhc"], backend, chain=chain)
+    for every in range(1, 9):
+        assert_equal_gradients(model, every)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_gradients_equal(backend):
+    model = stack(["mhc", "hc", "mhc", "mhc"], backend, dtype=torch.bfloat16)
+    assert_equal_gradients(model, 3, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streams_changed_between_sites_start_a_block(backend):
+    # x * 1.5 between two sites: the next site cannot rebuild its input from the block, so it
+    # saves it, and the gradients stay exact
+    model = stack(["mhc"] * 4, backend, touch=True)
+    assert_equal_gradients(model, 4)
+    h = torch.randn(2, 3, 8, device=KERNEL_DEVICE)
+    recompute_streams(model, 4)
+    touched = saved_bytes(model, h)
+    model.touch = False
+    assert saved_bytes(model, h) < touched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chain", [False, True])
+def test_checkpointed_branches_and_backward_twice(backend, chain):
+    model = stack(["mhc", "hc", "mhc"], backend, chain=chain, checkpointed=True)
+    assert_equal_gradients(model, 3)
+    h = torch.randn(2, 3, 8, device=KERNEL_DEVICE, requires_grad=True)
+    grad = torch.randn_like(h)
+    out = model(h)
+    first = torch.autograd.grad(out, h, grad, retain_graph=True)[0]
+    assert torch.equal(torch.autograd.grad(out, h, grad)[0], first)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpointed_sites_keep_their_streams(backend):
+    # sites inside torch.utils.checkpoint: checkpointing decides what is saved there, both in the
+    # forward and in its rerun (which would otherwise save other tensors and raise)
+    model = stack(["mhc"] * 4, backend)
+    recompute_streams(model, 4)
+    h = torch.randn(2, 3, 8, device=KERNEL_DEVICE, requires_grad=True)
+    x = expand_streams(h, 4)
+    for site in model.sites:
+        x = checkpoint(site, x, use_reentrant=False)
+    reduce_streams(x).sum().backward()
+    want = h.grad.clone()
+    h.grad = None
+    recompute_streams(model, 1)
+    x = expand_streams(h, 4)
+    for site in model.sites:
+        x = site(x)
+    reduce_streams(x).sum().backward()
+    assert torch.equal(h.grad, want)
+
+
+def test_torch_backend_double_backward():
+    model = stack(["mhc", "hc", "mhc"], "torch", dtype=torch.float64)
+    h = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for every in (1, 3):
+        recompute_streams(model, every)
+        (g,) = torch.autograd.grad(model(h).square().sum(), h, create_graph=True)
+        grads.append(torch.autograd.grad(g.sum(), h)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ what is saved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chain", [False, True])
+def test_saved_tensors_shrink_by_the_rebuilt_streams(backend, chain):
+    # exactly one stream tensor [4, 16, n, d] fewer for every site that is not first in its block
+    sites, n, dim = 6, 4, 16
+    model = stack(["mhc", "hc", "static", "mhc", "mhc", "mhc"], backend, n=n, dim=dim, chain=chain)
+    h = torch.randn(4, 16, dim, device=KERNEL_DEVICE)
+    streams = 4 * 16 * n * dim * 4
+    recompute_streams(model, 1)
+    full = saved_bytes(model, h)
+    for every in (2, 3, 6, 10):
+        recompute_streams(model, every)
+        rebuilt = sites - first_sites(sites, every)
+        assert full - saved_bytes(model, h) == rebuilt * streams, every
+
+
+def test_reference_path_drops_the_streams_fp32_copy_too():
+    # bf16 streams, fp32 coefficients: the coefficient ops save an fp32 copy of the streams, which
+    # is rebuilt as well
+    sites, n, dim = 4, 4, 16
+    model = stack(["mhc"] * sites, "torch", n=n, dim=dim, dtype=torch.bfloat16)
+    h = torch.randn(4, 16, dim, dtype=torch.bfloat16)
+    recompute_streams(model, 1)
+    full = saved_bytes(model, h)
+    recompute_streams(model, sites)
+    assert full - saved_bytes(model, h) == (sites - 1) * 4 * 16 * n * dim * (2 + 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tensor_outlives_the_forward(backend):
+    model = stack(["mhc"] * 3, backend)
+    setting = recompute_streams(model, 2)
+    model(torch.randn(2, 8, device=KERNEL_DEVICE, requires_grad=True)).sum().backward()
+    assert setting.start is None and setting.streams is None and setting.steps == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_grad_nothing_changes(backend):
+    model = stack(["mhc", "hc"], backend)
+    h = torch.randn(2, 8, device=KERNEL_DEVICE)
+    want = model(h)
+    recompute_streams(model, 2)
+    with torch.no_grad():
+        assert torch.equal(model(h), want)
+
+
+# ------------------------------------------------------------------------------ torch.compile
+
+
+def test_compiled_fused_path_matches_eager():
+    # fullgraph: the block bookkeeping and the Functions' recipes trace without graph breaks
+    for chain in (False, True):
+        model = stack(["mhc", "hc", "mhc", "mhc"], "triton", chain=chain)
+        h = torch.randn(2, 3, 8, device=KERNEL_DEVICE)
+        grad = torch.randn_like(h)
+        want = gradients(model, h, grad)
+        recompute_streams(model, 3)
+        torch._dynamo.reset()
+        got = gradients(torch.compile(model, fullgraph=True), h, grad)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_reference_path_raises():
+    model = stack(["mhc", "mhc"], "torch")
+    recompute_streams(model, 2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="eager mode only"):
+        torch.compile(model, fullgraph=True)(torch.randn(2, 8, requires_grad=True))
+
+
+# ------------------------------------------------------------------------------ the setting
+
+
+def test_default_block_length_is_the_papers_optimum():
+    assert [optimal_block(4, L) for L in (1, 2, 8, 16, 60)] == [1, 1, 2, 3, 6]
+    assert optimal_block(4, 16) == round(math.sqrt(4 * 16 / 6))
+    model = stack(["mhc"] * 16, "torch")
+    assert recompute_streams(model).every == 3
+    assert all(site._recompute.every == 3 for site in model.sites)
+
+
+def test_turning_it_off_and_on_again():
+    model = stack(["mhc"] * 3, "torch")
+    setting = recompute_streams(model, 2)
+    assert isinstance(setting, StreamRecompute) and len(model._mhc_recompute_hooks) == 2
+    assert recompute_streams(model, 1) is None
+    assert all(site._recompute is None for site in model.sites)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    recompute_streams(model, 3)
+    recompute_streams(model, 2)  # again: the hooks are replaced, not added
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        recompute_streams("model")
+    with pytest.raises(ValueError, match="no hyper-connection site"):
+        recompute_streams(nn.Linear(2, 2))
+    model = stack(["mhc"], "torch")
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        recompute_streams(model, 0)
+    for bad in (2.0, "2", True):
+        with pytest.raises(TypeError, match="every must be an int"):
+            recompute_streams(model, bad)
