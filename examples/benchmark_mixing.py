@@ -37,6 +37,7 @@ from torch import nn
 from _bench import peak_extra, write_csv
 
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
+from mhc.recompute import recompute_streams
 
 DTYPE = torch.bfloat16
 
@@ -240,27 +241,40 @@ def _static_bytes(model, opt) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def model_table(configs, seq, compile_modes, only=None, repeats=3):
+def _recompute_arms(arms, recompute, layers) -> list:
+    """``arms`` and, for each block length in ``recompute`` (``0``: all sites), the mhc and chained
+    arms with their streams recomputed, named ``"<arm> L_r=<every>"``."""
+    sites = 2 * layers
+    extra = [f"{arm} L_r={every or sites}" for arm in ("mhc", "mhc-chain") if arm in arms for every in recompute]
+    return arms + extra
+
+
+def model_table(configs, seq, compile_modes, only=None, repeats=3, recompute=()):
     """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
-    of one step (the other arms' models are resident meanwhile and not counted)."""
+    of one step (the other arms' models are resident meanwhile and not counted). ``recompute``:
+    block lengths of :func:`mhc.recompute.recompute_streams` to add as arms."""
     from triton.testing import do_bench
 
-    arms, skipped = _arms()
-    arms = [arm for arm in ["plain", "mhc", "mhc-chain", "mhc-torch", "liger"]
-            if arm in arms + ["mhc-chain"] and (only is None or arm in only)]
+    available, skipped = _arms()
+    base = [arm for arm in ["plain", "mhc", "mhc-chain", "mhc-torch", "liger"]
+            if arm in available + ["mhc-chain"] and (only is None or arm in only)]
     rows = []
     for config in configs:
         cfg = MODELS[config]
         tokens_per_step = cfg["batch"] * seq
+        arms = _recompute_arms(base, recompute, cfg["layers"])
         for compiled in compile_modes:
             runs = {}
             for arm in arms:
                 if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets
                     continue
                 torch.manual_seed(0)
-                model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
+                kind, _, every = arm.partition(" L_r=")
+                model = GPT(kind, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
+                if every:
+                    recompute_streams(model, int(every))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
                 run = torch.compile(model) if compiled else model
                 tokens = torch.randint(0, 32768, (cfg["batch"], seq), device="cuda")
@@ -302,7 +316,7 @@ def model_table(configs, seq, compile_modes, only=None, repeats=3):
                                  tokens_per_s=tokens_per_step / ms * 1e3, x_plain=ratio, x_plain_min=ratios[0],
                                  x_plain_max=ratios[-1], peak_gib=peaks[arm], peak_x_plain=peaks[arm] / peaks["plain"],
                                  first_step_s=first, note=note))
-                print(f"  d={cfg['dim']:5d} {name:>8} {arm:>10} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
+                print(f"  d={cfg['dim']:5d} {name:>8} {arm:>16} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
                       f"{ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) peak {peaks[arm]:6.2f} GiB "
                       f"({peaks[arm] / peaks['plain']:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
             del runs
@@ -351,10 +365,13 @@ def main(argv=None):
     p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
                    choices=["kernels", "block", "model", "profile"])
     p.add_argument("--no-compile", action="store_true", help="model table: eager only")
+    p.add_argument("--compiled-only", action="store_true", help="model table: torch.compile only")
     p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-chain", "mhc-torch", "liger"],
                    help="model table: only these arms (default: all)")
     p.add_argument("--models", nargs="+", default=["1024", "4096"], choices=sorted(MODELS),
                    help="model table: the GPT configurations (by width)")
+    p.add_argument("--recompute", type=int, nargs="*", default=[],
+                   help="model table: also the mhc arms with recompute_streams at these block lengths (0: all sites)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
@@ -379,8 +396,8 @@ def main(argv=None):
     if "model" in args.tables:
         print(f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
               flush=True)
-        rows = model_table(args.models, args.seq, [False] if args.no_compile else [False, True], args.arms,
-                           args.repeats)
+        rows = model_table(args.models, args.seq, [False] if args.no_compile else [True] if args.compiled_only else [False, True], args.arms,
+                           args.repeats, args.recompute)
         write_csv(rows, f"{args.out_dir}/model.csv",
                   ["model", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
                    "peak_x_plain", "first_step_s", "note"])

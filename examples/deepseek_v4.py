@@ -186,7 +186,8 @@ def bench_layer(args):
 
 
 def bench_step(args):
-    """A training step of a small DeepseekV4ForCausalLM, unpatched against patched, arms interleaved
+    """A training step of a small DeepseekV4ForCausalLM, unpatched against patched (without and with
+    the streams recomputed: the paper's block length, and one block of all sites), arms interleaved
     over rounds; peak memory; then a profile of the patched step (the mHC kernels' share)."""
     from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
@@ -196,10 +197,12 @@ def bench_step(args):
     device = torch.device("cuda")
     tokens = torch.randint(0, 32768, (args.step_batch, args.seq), device=device)
     steps = {}
-    for label in ("unpatched", "patched"):
+    sites = 2 * args.step_layers
+    arms = {"unpatched": None, "patched": False, "patched, recompute": True, f"patched, recompute {sites}": sites}
+    for label, recompute in arms.items():
         model = build(config, device, dtype)
-        if label == "patched":
-            patch_deepseek_v4(model)
+        if recompute is not None:
+            patch_deepseek_v4(model, recompute=recompute)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
         def step(model=model, opt=opt):
@@ -225,7 +228,7 @@ def bench_step(args):
     for label in steps:
         ms = statistics.median(times[label])
         print(f"  V4 step ({args.step_layers} layers, hidden {args.step_dim}, {ntok} tokens, {args.dtype}): "
-              f"{label:>9} {ms:8.2f} ms ({', '.join(f'{t:.2f}' for t in times[label])}), peak beyond weights "
+              f"{label:>22} {ms:8.2f} ms ({', '.join(f'{t:.2f}' for t in times[label])}), peak beyond weights "
               f"{peaks[label]:6.2f} GiB", flush=True)
     step = steps["patched"][0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
