@@ -190,7 +190,7 @@ def test_checkpointed_sites_keep_their_streams(backend):
 
 def test_torch_backend_double_backward():
     model = stack(["mhc", "hc", "mhc"], "torch", dtype=torch.float64)
-    h = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(2, 8, dtype=torch.float64, device=KERNEL_DEVICE, requires_grad=True)
     grads = []
     for every in (1, 3):
         recompute_streams(model, every)
@@ -223,7 +223,7 @@ def test_reference_path_drops_the_streams_fp32_copy_too():
     # is rebuilt as well
     sites, n, dim = 4, 4, 16
     model = stack(["mhc"] * sites, "torch", n=n, dim=dim, dtype=torch.bfloat16)
-    h = torch.randn(4, 16, dim, dtype=torch.bfloat16)
+    h = torch.randn(4, 16, dim, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     recompute_streams(model, 1)
     full = saved_bytes(model, h)
     recompute_streams(model, sites)
@@ -270,7 +270,7 @@ def test_compiled_reference_path_raises():
     recompute_streams(model, 2)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="eager mode only"):
-        torch.compile(model, fullgraph=True)(torch.randn(2, 8, requires_grad=True))
+        torch.compile(model, fullgraph=True)(torch.randn(2, 8, device=KERNEL_DEVICE, requires_grad=True))
 
 
 # ------------------------------------------------------------------------------ the setting
