@@ -30,7 +30,7 @@ from einops import rearrange
 
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
-from mhc.recompute import function_args, note_conversion, reference_scope
+from mhc.recompute import function_args, function_outputs, note_conversion, reference_scope
 
 __all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
 
@@ -91,8 +91,9 @@ class DynamicMHC:
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
     def fused_start(self, site, x: torch.Tensor, plan=None):
-        return MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward, site.rms_eps,
-                                       site.hc_eps, *function_args(plan))
+        outputs = MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward,
+                                          site.rms_eps, site.hc_eps, *function_args(plan))
+        return function_outputs(plan, outputs)
 
     def fused_parameters(self, site):
         """``site.mixing_parameters()`` as they are: the kernels read any float dtype into fp32, so
@@ -126,7 +127,7 @@ class DynamicHC:
         with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
             coefficients = self.reference(site, x)
         h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in coefficients)
-        x_in, x_pass = PreMixFunction.apply(x, h_pre, *function_args(plan))
+        x_in, x_pass = function_outputs(plan, PreMixFunction.apply(x, h_pre, *function_args(plan)))
         return x_in, h_pre, h_post, h_res, x_pass
 
 
@@ -158,7 +159,7 @@ class Static:
         T, n = math.prod(x.shape[:-2]), x.shape[-2]
         h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))
         h_pre, h_post, h_res = h_pre.expand(T, n), h_post.expand(T, n), h_res.expand(T, n, n)
-        x_in, x_pass = PreMixFunction.apply(x, h_pre, *function_args(plan))
+        x_in, x_pass = function_outputs(plan, PreMixFunction.apply(x, h_pre, *function_args(plan)))
         return x_in, h_pre, h_post, h_res, x_pass
 
 

@@ -122,9 +122,9 @@ def _advance_streams(mix, x, recipe_steps):
 
 @torch.library.custom_op("mhc::stream_recompute", mutates_args=())
 def _stream_recompute_op(start: torch.Tensor, steps: list[torch.Tensor], after: torch.Tensor) -> torch.Tensor:
-    # ``after``: a gradient the caller's backward received, unused. Under torch.compile it keeps
-    # the op in the backward graph: an op that depends on forward values only is moved to the
-    # forward by the partitioner, which then saves its output (docs/recompute.md).
+    # ``after``: the block's anchor (a value of the backward), unused. It keeps the op in the
+    # backward graph: an op that depends on forward values only is moved to the forward by the
+    # partitioner, which then saves its output (docs/recompute.md).
     return _advance_streams(_kernels().stream_mix.stream_mix_fwd_unchecked, start, steps)
 
 
@@ -184,6 +184,12 @@ def _tokens_of(x: torch.Tensor, d: int) -> tuple:
 # first of its block gets ``at`` (the backward's cache of its streams, or None under
 # torch.compile) and the flat ``recipe`` (the block's first streams and the post-mix steps since),
 # and saves the recipe instead of the streams; otherwise ``at`` is None and ``recipe`` empty.
+# Under torch.compile the Functions of a block are also ``linked``: each takes the previous one's
+# ``link`` (a one-element tensor) and returns its own as a last output. In the backward the last
+# Function's gradient becomes the block's anchor, handed back through the links' gradients, and
+# every rebuild of the block depends on it: so the partitioner keeps the rebuilds in the backward,
+# and the identical ones of different Functions (one step each, from the same anchor) are merged
+# by the compiled graph's common-subexpression pass: one rebuild per step and block, as in eager.
 
 
 def fused_mix(x, h_res, y, h_post):
@@ -191,100 +197,114 @@ def fused_mix(x, h_res, y, h_post):
     return _launchers().stream_mix_fwd(x, h_res, y, h_post)
 
 
-def _save_with_streams(ctx, x, at, recipe, *tensors) -> None:
+def _save_with_streams(ctx, x, at, linked, link, recipe, *tensors) -> tuple:
     """Save ``tensors`` and then the streams ``x``, or in recompute mode the recipe that rebuilds
-    them."""
-    ctx.at, ctx.recipe_len = at, len(recipe)
+    them; returns the extra output: ``(link,)`` for a linked Function, else ``()``."""
+    ctx.at, ctx.recipe_len, ctx.linked, ctx.link_in = at, len(recipe), linked, link is not None
     ctx.save_for_backward(*tensors, *(recipe or (x,)))
+    return (x.new_zeros(1, dtype=torch.float32),) if linked else ()
 
 
-def _saved_and_streams(ctx, after):
+def _anchor(ctx, grad_link, *grads):
+    """A linked Function's anchor: the link's gradient, or for the block's last one, one element
+    of the first gradient this backward received. ``None`` when not linked (eager mode)."""
+    if not ctx.linked or grad_link is not None:
+        return grad_link
+    g = next(g for g in grads if g is not None)
+    return g[(0,) * g.dim()].reshape(1).float()
+
+
+def _grads_after(ctx, anchor) -> tuple:
+    """The gradients of the recompute arguments ``(at, linked, link, *recipe)``."""
+    return (None, None, anchor if ctx.link_in else None, *(None,) * ctx.recipe_len)
+
+
+def _saved_and_streams(ctx, anchor):
     """``(tensors, x)``: what :func:`_save_with_streams` saved, with the streams rebuilt in
-    recompute mode. ``after``: a gradient this backward received (see ``mhc::stream_recompute``).
-    Reads ``ctx.saved_tensors`` once (activation checkpointing allows one read)."""
+    recompute mode. Reads ``ctx.saved_tensors`` once (activation checkpointing allows one read)."""
     saved = ctx.saved_tensors
     k = ctx.recipe_len or 1
     tensors, recipe = saved[:-k], saved[-k:]
-    return tensors, _rebuild(ctx.at, recipe, (), after)
+    return tensors, _rebuild(ctx.at, recipe, (), anchor)
 
 
-def _rebuild(at, recipe, more_steps: tuple, after):
+def _rebuild(at, recipe, more_steps: tuple, anchor):
     """The streams of ``recipe`` advanced by ``more_steps`` (a flat triple or nothing): from the
-    block's cache ``at`` in eager mode, with the ``stream_recompute`` op under torch.compile."""
+    block's cache ``at`` in eager mode; under torch.compile one ``stream_recompute`` op per step,
+    each depending on the block's ``anchor``."""
     from mhc.recompute import steps_of
 
     start, steps = recipe[0], recipe[1:] + more_steps
-    if not steps:
-        return start
     if at is not None:
-        return at.get(start, steps_of((start, *steps)), fused_mix)
-    return _launchers().stream_recompute(start, steps, after)
-
-
-def _first(*grads):
-    return next(g for g in grads if g is not None)
+        return at.get(start, steps_of((start, *steps)), fused_mix) if steps else start
+    x = start
+    for i in range(0, len(steps), 3):
+        x = _launchers().stream_recompute(x, steps[i:i + 3], anchor)
+    return x
 
 
 class PreMixFunction(torch.autograd.Function):
     """``x_in = sum_j h_pre[:, j] x[..., j, :]`` for given coefficients. ``(x [..., n, d], h_pre [T, n])``
-    -> ``(x_in [..., d], x_pass = x)``; ``at, *recipe``: recompute mode (above)."""
+    -> ``(x_in [..., d], x_pass = x)``; ``at, linked, link, *recipe``: recompute mode (above)."""
 
     @staticmethod
-    def forward(ctx, x, h_pre, at=None, *recipe):
+    def forward(ctx, x, h_pre, at=None, linked=False, link=None, *recipe):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
         x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
-        _save_with_streams(ctx, x, at, recipe, h_pre)
-        return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x
+        extra = _save_with_streams(ctx, x, at, linked, link, recipe, h_pre)
+        return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x, *extra
 
     @staticmethod
-    def backward(ctx, grad_x_in, grad_x_pass):
+    def backward(ctx, grad_x_in, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused pre-mix (HyperConnection, StreamCollapse)")
-        none = (None,) * (1 + ctx.recipe_len)
         if grad_x_in is None:
-            return grad_x_pass, None, *none
-        (h_pre,), x = _saved_and_streams(ctx, grad_x_in)
+            return grad_x_pass, None, *_grads_after(ctx, grad_link)
+        anchor = _anchor(ctx, grad_link, grad_x_in)
+        (h_pre,), x = _saved_and_streams(ctx, anchor)
         ctx.at = None  # the streams' cache is freed once no Function of the site needs it
         dx, _, dh_pre, _ = _launchers().stream_mix_bwd(
             x, h_pre[:, None, :], None, None, grad_x_in.unsqueeze(-2), grad_x_pass, True
         )
-        return dx, dh_pre.view(h_pre.shape), *none
+        return dx, dh_pre.view(h_pre.shape), *_grads_after(ctx, anchor)
 
 
 class PostMixFunction(torch.autograd.Function):
     """``out[..., i, :] = sum_j h_res[:, i, j] x[..., j, :] + h_post[:, i] y``.
     ``(x [..., n, d], y [..., d] or None, h_post [T, n] or None, h_res [T, n, n])`` -> ``[..., n, d]``;
-    ``at, *recipe``: recompute mode (above)."""
+    ``at, linked, link, *recipe``: recompute mode (above; a linked post-mix returns ``(out, link)``)."""
 
     @staticmethod
-    def forward(ctx, x, y, h_post, h_res, at=None, *recipe):
+    def forward(ctx, x, y, h_post, h_res, at=None, linked=False, link=None, *recipe):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
-        _save_with_streams(ctx, x, at, recipe, y, h_post, h_res)
-        return _launchers().stream_mix_fwd(x, h_res, y, h_post)
+        extra = _save_with_streams(ctx, x, at, linked, link, recipe, y, h_post, h_res)
+        out = _launchers().stream_mix_fwd(x, h_res, y, h_post)
+        return (out, *extra) if extra else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_link=None):
         refuse_double_backward("the fused post-mix (HyperConnection, LaneMixer)")
-        none = (None,) * (1 + ctx.recipe_len)
         if grad_out is None:
-            return None, None, None, None, *none
-        (y, h_post, h_res), x = _saved_and_streams(ctx, grad_out)
+            return None, None, None, None, *_grads_after(ctx, grad_link)
+        anchor = _anchor(ctx, grad_link, grad_out)
+        (y, h_post, h_res), x = _saved_and_streams(ctx, anchor)
         ctx.at = None
         dx, dy, dh_res, dh_post = _launchers().stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
-        return dx, dy, dh_post, dh_res, *none
+        return dx, dy, dh_post, dh_res, *_grads_after(ctx, anchor)
 
 
-def _save_coefficients(ctx, x, params, outputs, settings, at, recipe, *extra):
+def _save_coefficients(ctx, x, params, outputs, settings, at, linked, link, recipe, *extra):
     """Save what a coefficient forward's backward needs: ``phi`` and ``alpha``, the per-token
     fp32 values and the Sinkhorn's saved tensor (its logits; its output for the implicit backward),
-    ``extra``, then the streams ``x`` (or their recipe)."""
+    ``extra``, then the streams ``x`` (or their recipe); returns the link output, if any."""
     p, r, h_pre, h_post, z_res, h_res = outputs
     sinkhorn_saved = z_res if settings[1] == "exact" else h_res
     ctx.set_materialize_grads(False)
-    _save_with_streams(ctx, x, at, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved, *extra)
     ctx.settings = settings
     ctx.bias_alpha_split = [params[2].numel(), 3]  # the kernels' packed [dbias | dalpha]
+    return _save_with_streams(ctx, x, at, linked, link, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved,
+                              *extra)
 
 
 def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res):
@@ -318,18 +338,18 @@ class MHCPreMixFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, *recipe):
+    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, linked=False, link=None, *recipe):
         params = (phi, alpha, bias)
         x = x.contiguous()
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
-        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, recipe)
-        return x_in, outputs[2], outputs[3], outputs[5], x
+        extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe)
+        return x_in, outputs[2], outputs[3], outputs[5], x, *extra
 
     @staticmethod
-    def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+    def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused mHC coefficients (HyperConnection)")
-        after = _first(grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
-        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved), x = _saved_and_streams(ctx, after)
+        anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
+        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved), x = _saved_and_streams(ctx, anchor)
         ctx.at = None
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post,
                                                             grad_h_res)
@@ -337,7 +357,7 @@ class MHCPreMixFunction(torch.autograd.Function):
             x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None, *(None,) * (1 + ctx.recipe_len))
+        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None, *_grads_after(ctx, anchor))
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -352,38 +372,39 @@ class MHCSeamFunction(torch.autograd.Function):
     the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
     forward would save apart.
 
-    Recompute mode (above): ``at, *recipe`` rebuild ``x``; ``next_at`` caches ``x_pass``, which is
-    saved only with ``keep_next`` (it starts a block) and otherwise rebuilt from ``x``.
+    Recompute mode (above): ``at, linked, link, *recipe`` rebuild ``x``; ``next_at`` caches
+    ``x_pass``, which is saved only with ``keep_next`` (it starts a block) and otherwise rebuilt
+    from ``x``.
     """
 
     @staticmethod
-    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, next_at=None,
-                keep_next=True, *recipe):
+    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, linked=False,
+                link=None, next_at=None, keep_next=True, *recipe):
         params = (phi, alpha, bias)
         run = _launchers()
         x = x.contiguous()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
         kept = (x_next,) if keep_next else ()
-        _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, recipe,
-                           h_res_l, y, h_post_l, *kept)
+        extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe,
+                                   h_res_l, y, h_post_l, *kept)
         ctx.next_at = next_at
-        return x_in, outputs[2], outputs[3], outputs[5], x_next
+        return x_in, outputs[2], outputs[3], outputs[5], x_next, *extra
 
     @staticmethod
-    def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+    def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused seam of chained sites (finish(y, next=))")
-        after = _first(grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
+        anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
         saved = ctx.saved_tensors
         k = ctx.recipe_len or 1
         (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved, h_res_l, y, h_post_l, *kept), recipe = saved[:-k], saved[-k:]
-        x = _rebuild(ctx.at, recipe, (), after)
+        x = _rebuild(ctx.at, recipe, (), anchor)
         if kept:
             x_next = kept[0]
         elif ctx.next_at is not None:  # eager: x_next's position in the cache (x's is filled now)
-            x_next = _rebuild(ctx.next_at, recipe, (h_res_l, y, h_post_l), after)
+            x_next = _rebuild(ctx.next_at, recipe, (h_res_l, y, h_post_l), anchor)
         else:
-            x_next = _rebuild(None, (x,), (h_res_l, y, h_post_l), after)
+            x_next = _rebuild(None, recipe, (h_res_l, y, h_post_l), anchor)
         ctx.at = ctx.next_at = None
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x_next, h_post, sinkhorn_saved, grad_x_in,
                                                             grad_h_post, grad_h_res)
@@ -393,8 +414,9 @@ class MHCSeamFunction(torch.autograd.Function):
             grad_x_pass, ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
+        after = _grads_after(ctx, anchor)
         return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None,
-                None, None, None, *(None,) * ctx.recipe_len)
+                *after[:3], None, None, *after[3:])
 
 
 # ------------------------------------------------------------------------------ functionals

@@ -76,13 +76,14 @@ class StreamsAt:
 
 class Plan:
     """How a site's Functions get streams that they do not save: the block's first streams
-    ``start``, the steps since (tuples ``(h_res, y, h_post)``) and the backward's cache ``at``
-    (``None`` under ``torch.compile``)."""
+    ``start``, the steps since (tuples ``(h_res, y, h_post)``), the backward's cache ``at``
+    (``None`` under ``torch.compile``, where the Functions are linked instead) and the
+    ``schedule`` that holds the block's link."""
 
-    __slots__ = ("start", "steps", "at")
+    __slots__ = ("start", "steps", "at", "schedule")
 
-    def __init__(self, start, steps, at):
-        self.start, self.steps, self.at = start, steps, at
+    def __init__(self, start, steps, at, schedule):
+        self.start, self.steps, self.at, self.schedule = start, steps, at, schedule
 
     def recipe(self) -> tuple:
         """``(start, h_res_1, y_1, h_post_1, ...)``: the tensors to save, flat."""
@@ -90,9 +91,21 @@ class Plan:
 
 
 def function_args(plan: Plan | None) -> tuple:
-    """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, *recipe)`` in
-    recompute mode, ``(None,)`` when the Function saves its streams."""
-    return (None,) if plan is None else (plan.at, *plan.recipe())
+    """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, linked, link,
+    *recipe)`` in recompute mode, ``(None, False, None)`` when the Function saves its streams."""
+    if plan is None:
+        return (None, False, None)
+    linked = torch.compiler.is_compiling()
+    return (plan.at, linked, plan.schedule.link if linked else None, *plan.recipe())
+
+
+def function_outputs(plan: Plan | None, outputs, single: bool = False):
+    """A fused Function's outputs without the link that a linked one returns last (kept as the
+    block's link for the next Function); ``single``: the Function returns one tensor."""
+    if plan is None or not torch.compiler.is_compiling():
+        return outputs
+    plan.schedule.link = outputs[-1]
+    return outputs[0] if single else outputs[:-1]
 
 
 def steps_of(recipe) -> list:
@@ -128,7 +141,7 @@ class StreamRecompute:
     def clear(self) -> None:
         """Forget the block being built (the model's forward hooks call this before and after
         each forward, so that no tensor outlives the forward here)."""
-        self.path, self.start, self.steps, self.streams, self.at = None, None, [], None, None
+        self.path, self.start, self.steps, self.streams, self.at, self.link = None, None, [], None, None, None
 
     def plan(self, x: torch.Tensor, path: str) -> Plan | None:
         """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
@@ -137,13 +150,13 @@ class StreamRecompute:
             self.streams = None  # a site that saves its streams breaks the chain
             return None
         if x is self.streams and path == self.path and len(self.steps) < self.every:
-            return Plan(self.start, tuple(self.steps), self.at)
+            return Plan(self.start, tuple(self.steps), self.at, self)
         return None
 
     def begin(self, x: torch.Tensor, path: str) -> None:
         """``x`` (as the site saved it) starts a block."""
         if torch.is_grad_enabled() and not _under_checkpoint():
-            self.path, self.start, self.steps, self.streams, self.at = path, x, [], x, None
+            self.path, self.start, self.steps, self.streams, self.at, self.link = path, x, [], x, None, None
 
     def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
         """A site's Function read ``x`` and returned the same streams as ``x_pass``."""

@@ -26,7 +26,7 @@ from einops import einsum
 
 from mhc.layer import _kernels
 from mhc.mixing_ops import MAX_FUSED_STREAMS, MHCSeamFunction, PostMixFunction
-from mhc.recompute import function_args, reference_scope
+from mhc.recompute import Plan, function_args, function_outputs, reference_scope
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
@@ -225,11 +225,16 @@ class FusedFinish:
         # the seam: the next site's streams are saved when they start a block, else rebuilt
         continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
         next_at = schedule.next_at() if continues else None
-        at, recipe = (None, ()) if self.plan is None else (self.plan.at, self.plan.recipe())
-        x_in, _, h_post, h_res, x_pass = MHCSeamFunction.apply(
+        plan = self.plan
+        if plan is None and continues:  # x starts the block: saved, but x_next is rebuilt from it
+            plan = Plan(x, (), next_at.previous if next_at is not None else None, schedule)
+        at, linked, link, *recipe = function_args(plan)
+        outputs = MHCSeamFunction.apply(
             x, y, self.h_post, self.h_res, *next.source.fused_parameters(next),
-            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps, at, next_at, not continues, *recipe,
+            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps, at, linked, link, next_at, not continues,
+            *(recipe if self.plan is not None else ()),
         )
+        x_in, _, h_post, h_res, x_pass = function_outputs(plan, outputs)
         plan = None
         if continues:
             schedule.advance(x, (self.h_res, y, self.h_post), x_pass, next_at)
@@ -239,7 +244,8 @@ class FusedFinish:
         return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, plan))
 
     def _post_mix(self, y, schedule):
-        out = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))
+        outputs = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))
+        out = function_outputs(self.plan, outputs, single=True)
         if schedule is not None:
             schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at())
         return out
