@@ -6,10 +6,9 @@ set -uo pipefail
 OUT=${OUT:-results/recompute}
 mkdir -p "$OUT"
 case "${1:-}" in
-  --compiled)  # the arms after it: plain mhc, or plain mhc-chain (four compiles fit one 10-minute run)
-    shift
-    python3 examples/benchmark_mixing.py --tables model --models 1024 --arms "$@" --recompute 3 0 \
-      --compiled-only --repeats 3 --seq 2048 --out-dir "$OUT/compiled_$2" 2>&1 | tee "$OUT/gpt_compiled_$2.log" ;;
+  --compiled)
+    python3 examples/benchmark_mixing.py --tables model --models 1024 --arms plain mhc mhc-chain --recompute 3 0 \
+      --compiled-only --repeats 3 --seq 2048 --out-dir "$OUT/compiled" 2>&1 | tee "$OUT/gpt_compiled.log" ;;
   --v4)
     python3 examples/deepseek_v4.py --bench-step --rounds 3 2>&1 | tee "$OUT/v4_step.log" ;;
   *)
