@@ -1,6 +1,7 @@
 """Training steps captured in CUDA graphs: ``torch.cuda.graph`` and ``torch.compile(mode=
-"reduce-overhead")`` over HyperConnection (chained and not), LaneMixer and the fused loss
-(``capturable=True``), against the same steps run eagerly; the toy LM's ``--cuda-graph``."""
+"reduce-overhead")`` over HyperConnection (chained and not, streams saved or recomputed), LaneMixer
+and the fused loss (``capturable=True``), against the same steps run eagerly; the toy LM's
+``--cuda-graph``."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ from torch import nn
 
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, LaneMixer, expand_streams, reduce_streams
+from mhc.recompute import recompute_streams
 
 pytestmark = pytest.mark.gpu
 
@@ -52,9 +54,10 @@ def _batches(steps):
     return [torch.randint(0, VOCAB, (8, 33), generator=g).cuda() for _ in range(steps)]
 
 
-def _setup(chain):
+def _setup(chain, recompute=1):
     torch.manual_seed(0)
     model = Model(chain).cuda()
+    recompute_streams(model, recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device="cuda"), capturable=True)
     return model, opt
 
@@ -71,11 +74,12 @@ def _eager_losses(chain, batches):
     return losses
 
 
+@pytest.mark.parametrize("recompute", [1, 3])
 @pytest.mark.parametrize("chain", [False, True])
-def test_cuda_graph_step_equals_eager(chain):
+def test_cuda_graph_step_equals_eager(chain, recompute):
     batches = _batches(12)
     want = _eager_losses(chain, batches)
-    model, opt = _setup(chain)
+    model, opt = _setup(chain, recompute)
     static = torch.zeros_like(batches[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -102,10 +106,11 @@ def test_cuda_graph_step_equals_eager(chain):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
 
 
-def test_compile_reduce_overhead_matches_eager():
+@pytest.mark.parametrize("recompute", [1, 2])
+def test_compile_reduce_overhead_matches_eager(recompute):
     batches = _batches(8)
     want = _eager_losses(True, batches)
-    model, opt = _setup(True)
+    model, opt = _setup(True, recompute)
     compiled = torch.compile(model, mode="reduce-overhead")
     losses = []
     for batch in batches:

@@ -161,6 +161,23 @@ def test_bf16_three_way():
         assert error(2, group) <= 2 * error(1, group) + 1e-6, (name, error(2, group), error(1, group))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recompute_gives_the_same_step(backend):
+    # the streams rebuilt in the backward: the same loss and gradients, bit for bit
+    ref, patched = model_pair(backend, layers=2)
+    ids = torch.randint(0, 97, (2, 12), device=KERNEL_DEVICE)
+    want = step(patched, ids)
+    for recompute in (True, 2, 4):
+        patch_deepseek_v4(patched, backend=backend, recompute=recompute)
+        assert patched.model.layers[0].attn_hc._recompute.every == (2 if recompute is True else recompute)
+        loss, logits, grads = step(patched, ids)
+        assert torch.equal(loss, want[0]) and torch.equal(logits, want[1])
+        for key, grad in want[2].items():
+            assert torch.equal(grads[key], grad), key
+    patch_deepseek_v4(patched, backend=backend)
+    assert patched.model.layers[0].attn_hc._recompute is None
+
+
 def test_errors():
     with pytest.raises(TypeError, match="DeepseekV4ForCausalLM or DeepseekV4Model"):
         patch_deepseek_v4(torch.nn.Linear(2, 2))
@@ -170,6 +187,10 @@ def test_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
         patch_deepseek_v4(model, backend="cuda")
     patch_deepseek_v4(model, backend="torch")  # the reference path takes any hc_mult
+    with pytest.raises(TypeError, match="recompute must be a bool or an int"):
+        patch_deepseek_v4(model, recompute="yes")
+    with pytest.raises(ValueError, match="recompute must be True, False or a block length"):
+        patch_deepseek_v4(model, recompute=0)
 
 
 def test_transformers_without_deepseek_v4(monkeypatch):

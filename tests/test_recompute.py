@@ -168,7 +168,8 @@ def test_checkpointed_branches_and_backward_twice(backend, chain):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_checkpointed_sites_keep_their_streams(backend):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_sites_keep_their_streams(backend, reentrant):
     # sites inside torch.utils.checkpoint: checkpointing decides what is saved there, both in the
     # forward and in its rerun (which would otherwise save other tensors and raise)
     model = stack(["mhc"] * 4, backend)
@@ -176,7 +177,7 @@ def test_checkpointed_sites_keep_their_streams(backend):
     h = torch.randn(2, 3, 8, device=KERNEL_DEVICE, requires_grad=True)
     x = expand_streams(h, 4)
     for site in model.sites:
-        x = checkpoint(site, x, use_reentrant=False)
+        x = checkpoint(site, x, use_reentrant=reentrant)
     reduce_streams(x).sum().backward()
     want = h.grad.clone()
     h.grad = None
