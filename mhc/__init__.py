@@ -3,6 +3,7 @@
 - ``mhc.layer``: ``sinkhorn`` and ``FusedMHC`` (Triton Sinkhorn-Knopp with exact and implicit
   backward kernels).
 - ``mhc.mixing``: ``HyperConnection`` (mHC / HC), ``LaneMixer``, stream helpers, stability metric.
+- ``mhc.recompute``: ``recompute_streams`` (the sites' streams rebuilt in the backward, not saved).
 - ``mhc.losses``: ``linear_cross_entropy`` and ``LinearCrossEntropy`` (fused linear + cross-entropy,
   never materialising the logits).
 - ``mhc.reference``: the pure-PyTorch oracle.
