@@ -78,12 +78,13 @@ class Plan:
     """How a site's Functions get streams that they do not save: the block's first streams
     ``start``, the steps since (tuples ``(h_res, y, h_post)``), the backward's cache ``at``
     (``None`` under ``torch.compile``, where the Functions are linked instead) and the
-    ``schedule`` that holds the block's link."""
+    ``schedule`` that holds the block's link; ``version``: the streams' version counter when the
+    site read them (eager mode)."""
 
-    __slots__ = ("start", "steps", "at", "schedule")
+    __slots__ = ("start", "steps", "at", "schedule", "version")
 
-    def __init__(self, start, steps, at, schedule):
-        self.start, self.steps, self.at, self.schedule = start, steps, at, schedule
+    def __init__(self, start, steps, at, schedule, version):
+        self.start, self.steps, self.at, self.schedule, self.version = start, steps, at, schedule, version
 
     def recipe(self) -> tuple:
         """``(start, h_res_1, y_1, h_post_1, ...)``: the tensors to save, flat."""
@@ -92,9 +93,9 @@ class Plan:
 
 def function_args(plan: Plan | None) -> tuple:
     """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, linked, link,
-    *recipe)`` in recompute mode, ``(None, False, None)`` when the Function saves its streams."""
+    *recipe)`` in recompute mode, none (the defaults: save the streams) without a plan."""
     if plan is None:
-        return (None, False, None)
+        return ()
     linked = torch.compiler.is_compiling()
     return (plan.at, linked, plan.schedule.link if linked else None, *plan.recipe())
 
@@ -142,6 +143,7 @@ class StreamRecompute:
         """Forget the block being built (the model's forward hooks call this before and after
         each forward, so that no tensor outlives the forward here)."""
         self.path, self.start, self.steps, self.streams, self.at, self.link = None, None, [], None, None, None
+        self.version = 0
 
     def plan(self, x: torch.Tensor, path: str) -> Plan | None:
         """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
@@ -149,23 +151,36 @@ class StreamRecompute:
         if not torch.is_grad_enabled() or _under_checkpoint():
             self.streams = None  # a site that saves its streams breaks the chain
             return None
-        if x is self.streams and path == self.path and len(self.steps) < self.every:
-            return Plan(self.start, tuple(self.steps), self.at, self)
+        if self._current(x) and path == self.path and len(self.steps) < self.every:
+            return Plan(self.start, tuple(self.steps), self.at, self, self.version)
         return None
+
+    def _current(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the streams the block's last step made, unchanged: the same tensor, not
+        modified in place since (its version counter; not readable under ``torch.compile``)."""
+        if x is not self.streams:
+            return False
+        return torch.compiler.is_compiling() or x._version == self.version
 
     def begin(self, x: torch.Tensor, path: str) -> None:
         """``x`` (as the site saved it) starts a block."""
         if torch.is_grad_enabled() and not _under_checkpoint():
             self.path, self.start, self.steps, self.streams, self.at, self.link = path, x, [], x, None, None
+            self._stamp(x)
 
     def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
         """A site's Function read ``x`` and returned the same streams as ``x_pass``."""
         if x is self.streams:
             self.streams = x_pass
+            self._stamp(x_pass)
 
     def continues(self, x: torch.Tensor) -> bool:
         """Whether the streams after a post-mix of ``x`` stay in this block."""
-        return x is self.streams and len(self.steps) + 1 < self.every
+        return self._current(x) and len(self.steps) + 1 < self.every
+
+    def _stamp(self, x: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():
+            self.version = x._version
 
     def next_at(self) -> StreamsAt | None:
         """The cache of the position after the next step (``None`` under ``torch.compile``)."""
@@ -174,11 +189,12 @@ class StreamRecompute:
     def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None) -> None:
         """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
         ``out``'s position."""
-        if x is not self.streams:
+        if not self._current(x):
             self.streams = None
             return
         self.steps.append(step)
         self.streams, self.at = out, at
+        self._stamp(out)
 
 
 # ------------------------------------------------------------------------------ reference path
@@ -226,7 +242,8 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
 
     def pack(t):
         source = sources.get(t.untyped_storage().data_ptr()) if t.device == x.device else None
-        if source is None or t.storage_offset() < source.storage_offset():
+        changed = source is x and x._version != plan.version  # modified in place since the site read it
+        if source is None or changed or t.storage_offset() < source.storage_offset():
             return t if outer is None else _Outer(outer[0](t))
         geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - source.storage_offset())
         return _Rebuild(plan, layout, geometry, source.dtype)
@@ -293,9 +310,11 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
             recompute off (every site keeps its streams, as without this call).
 
     Gradients are those without recompute: the backward rebuilds the streams with the forward's
-    mixing ops. A block ends early where the streams are changed between two sites, where the
-    path changes (fused / reference), under activation checkpointing or other saved-tensor hooks
-    of the sites themselves (they decide what is saved there) and with grad mode off.
+    mixing ops. A block ends early where the streams are changed between two sites (a new tensor,
+    or the same one modified in place), where the path changes (fused / reference), inside
+    ``torch.utils.checkpoint`` (checkpointing decides what is saved there) and with grad mode off.
+    Under ``torch.compile`` an in-place change between two sites cannot be seen (tensor versions do
+    not trace): change the streams out of place there (``x = x * s``, not ``x.mul_(s)``).
 
     Raises:
         TypeError: ``model`` is not a module, ``every`` not an int.

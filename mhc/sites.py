@@ -26,7 +26,7 @@ from einops import einsum
 
 from mhc.layer import _kernels
 from mhc.mixing_ops import MAX_FUSED_STREAMS, MHCSeamFunction, PostMixFunction
-from mhc.recompute import Plan, function_args, function_outputs, reference_scope
+from mhc.recompute import function_args, function_outputs, reference_scope
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
@@ -222,19 +222,14 @@ class FusedFinish:
         site._check_next(next)
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
             return _returned(rest, *next.split(self._post_mix(y, schedule)))
-        # the seam: the next site's streams are saved when they start a block, else rebuilt
+        args = (x, y, self.h_post, self.h_res, *next.source.fused_parameters(next), next.sinkhorn_iters,
+                next.backward, next.rms_eps, next.hc_eps)
         continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
-        next_at = schedule.next_at() if continues else None
-        plan = self.plan
-        if plan is None and continues:  # x starts the block: saved, but x_next is rebuilt from it
-            plan = Plan(x, (), next_at.previous if next_at is not None else None, schedule)
-        at, linked, link, *recipe = function_args(plan)
-        outputs = MHCSeamFunction.apply(
-            x, y, self.h_post, self.h_res, *next.source.fused_parameters(next),
-            next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps, at, linked, link, next_at, not continues,
-            *(recipe if self.plan is not None else ()),
-        )
-        x_in, _, h_post, h_res, x_pass = function_outputs(plan, outputs)
+        if schedule is None:
+            outputs, next_at = MHCSeamFunction.apply(*args), None
+        else:
+            outputs, next_at = self._seam_in_block(args, schedule, continues)
+        x_in, _, h_post, h_res, x_pass = outputs
         plan = None
         if continues:
             schedule.advance(x, (self.h_res, y, self.h_post), x_pass, next_at)
@@ -242,6 +237,20 @@ class FusedFinish:
         elif next._recompute is not None:
             next._recompute.begin(x_pass, "triton")
         return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, plan))
+
+    def _seam_in_block(self, args, schedule, continues):
+        """The seam in recompute mode: ``(outputs, next_at)``. Its ``x`` is rebuilt from the plan
+        (or saved: it starts the block); the next site's streams are saved when they start a block
+        and otherwise rebuilt from ``x``: cached at ``next_at`` in eager mode, linked under
+        torch.compile."""
+        next_at = schedule.next_at() if continues else None
+        at, linked, link, *recipe = function_args(self.plan) or (None, False, None)
+        if continues and self.plan is None and torch.compiler.is_compiling():
+            linked, link = True, schedule.link  # x is saved, but x_next is rebuilt from it
+        outputs = MHCSeamFunction.apply(*args, at, linked, link, next_at, not continues, *recipe)
+        if linked:
+            schedule.link, outputs = outputs[-1], outputs[:-1]
+        return outputs, next_at
 
     def _post_mix(self, y, schedule):
         outputs = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from einops import einsum
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -18,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
 from mhc.recompute import StreamRecompute, optimal_block, recompute_streams
+from mhc.sites import reference_post_mix
 from tests.conftest import KERNEL_DEVICE
 
 BACKENDS = ["torch", "triton"]
@@ -40,9 +42,10 @@ class Branch(nn.Module):
 
 class Stack(nn.Module):
     """Sites over small branches, called one by one (``chain=False``) or chained with
-    ``finish(y, next=)``; ``touch``: the streams are changed between sites 1 and 2."""
+    ``finish(y, next=)``; ``touch``: the streams are changed between sites 1 and 2 (``"copy"``:
+    ``x * 1.5``, ``"in place"``: ``x.mul_(1.5)``)."""
 
-    def __init__(self, dim, n, kinds, backend, chain=False, checkpointed=False, touch=False):
+    def __init__(self, dim, n, kinds, backend, chain=False, checkpointed=False, touch=None):
         super().__init__()
         self.n, self.chain, self.touch = n, chain, touch
         self.sites = nn.ModuleList(
@@ -57,8 +60,10 @@ class Stack(nn.Module):
         if not self.chain:
             for i, site in enumerate(self.sites):
                 x = site(x)
-                if self.touch and i == 1:
+                if self.touch == "copy" and i == 1:
                     x = x * 1.5
+                if self.touch == "in place" and i == 1:
+                    x.mul_(1.5)
             return reduce_streams(x)
         x_in, finish = self.sites[0].split(x)
         for site, following in zip(self.sites, [*self.sites[1:], None]):
@@ -143,16 +148,41 @@ def test_bf16_gradients_equal(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_streams_changed_between_sites_start_a_block(backend):
-    # x * 1.5 between two sites: the next site cannot rebuild its input from the block, so it
-    # saves it, and the gradients stay exact
-    model = stack(["mhc"] * 4, backend, touch=True)
+@pytest.mark.parametrize("touch", ["copy", "in place"])
+def test_streams_changed_between_sites_start_a_block(backend, touch):
+    # x * 1.5 or x.mul_(1.5) between two sites: the next site cannot rebuild its input from the
+    # block (a new tensor, or the same one at a new version), so it saves it; gradients stay exact
+    model = stack(["mhc"] * 4, backend, touch=touch)
     assert_equal_gradients(model, 4)
     h = torch.randn(2, 3, 8, device=KERNEL_DEVICE)
     recompute_streams(model, 4)
     touched = saved_bytes(model, h)
-    model.touch = False
+    model.touch = None
     assert saved_bytes(model, h) < touched
+
+
+def test_streams_changed_between_split_and_finish_are_kept():
+    # the reference path's finish reads the site's input, which the caller holds: changed in place
+    # after split (without recompute autograd refuses this, the coefficients saved it), the
+    # post-mix keeps what it read instead of a rebuild of the streams before the change
+    model = stack(["mhc"] * 3, "torch", dtype=torch.float64)
+    first, middle, last = model.sites
+    h = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    scale = 1.0 + 2.0 ** -10
+
+    def loss(x):
+        return reduce_streams(last(x)).square().sum()
+
+    x = first(expand_streams(h, 4))  # the same program written out of place
+    h_pre, h_post, h_res = middle.coefficients(x)
+    y = middle.branch(einsum(h_pre, x, "... s, ... s d -> ... d"))
+    (want,) = torch.autograd.grad(loss(reference_post_mix(x * scale, h_res, y, h_post)), h)
+    recompute_streams(model, 3)
+    x = first(expand_streams(h, 4))
+    x_in, finish = middle.split(x)
+    x.mul_(scale)
+    (got,) = torch.autograd.grad(loss(finish(middle.branch(x_in))), h)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
