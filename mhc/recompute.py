@@ -336,11 +336,16 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
     setting = StreamRecompute(every) if every > 1 else None
     for site in sites:
         site._recompute = setting
-    if setting is None:
-        model._mhc_recompute_hooks = ()
-        return None
-    model._mhc_recompute_hooks = (
-        model.register_forward_pre_hook(lambda module, args: setting.clear()),
-        model.register_forward_hook(lambda module, args, out: setting.clear()),
-    )
+    model._mhc_recompute = setting
+    model._mhc_recompute_hooks = () if setting is None else (
+        model.register_forward_pre_hook(_clear_before), model.register_forward_hook(_clear_after))
     return setting
+
+
+# Module-level hooks (not closures): a copied or pickled model keeps hooks that find its own setting.
+def _clear_before(model, args) -> None:
+    model._mhc_recompute.clear()
+
+
+def _clear_after(model, args, output) -> None:
+    model._mhc_recompute.clear()

@@ -7,6 +7,7 @@ autograd saves is sized with saved-tensor hooks. On CPU the fused path runs in T
 interpreter; on a GPU the compiled kernels.
 """
 
+import copy
 import math
 
 import pytest
@@ -325,6 +326,16 @@ def test_turning_it_off_and_on_again():
     recompute_streams(model, 3)
     recompute_streams(model, 2)  # again: the hooks are replaced, not added
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+
+
+def test_a_copied_model_has_its_own_setting():
+    model = stack(["mhc"] * 3, "torch")
+    recompute_streams(model, 3)
+    twin = copy.deepcopy(model)
+    assert twin.sites[0]._recompute is twin._mhc_recompute is not model._mhc_recompute
+    twin(torch.randn(2, 8, device=KERNEL_DEVICE, requires_grad=True))
+    assert twin._mhc_recompute.streams is None  # the copy's hooks clear the copy's setting
+    assert_equal_gradients(twin, 3)
 
 
 def test_errors():
