@@ -183,7 +183,9 @@ def test_streams_changed_between_split_and_finish_are_kept():
     x_in, finish = middle.split(x)
     x.mul_(scale)
     (got,) = torch.autograd.grad(loss(finish(middle.branch(x_in))), h)
-    assert torch.equal(got, want)
+    # to fp64 rounding (the two programs sum the gradients of x in another order); rebuilding the
+    # streams from before the change would be off by about the change, 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
