@@ -22,6 +22,7 @@ import torch
 
 from mhc._autograd import refuse_double_backward
 from mhc.layer import _kernels, check_settings, sinkhorn_bwd_launch
+from mhc.recompute import steps_of
 
 __all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam", "MAX_FUSED_STREAMS"]
 
@@ -232,8 +233,6 @@ def _rebuild(at, recipe, more_steps: tuple, anchor):
     """The streams of ``recipe`` advanced by ``more_steps`` (a flat triple or nothing): from the
     block's cache ``at`` in eager mode; under torch.compile one ``stream_recompute`` op per step,
     each depending on the block's ``anchor``."""
-    from mhc.recompute import steps_of
-
     start, steps = recipe[0], recipe[1:] + more_steps
     if at is not None:
         return at.get(start, steps_of((start, *steps)), fused_mix) if steps else start

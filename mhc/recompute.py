@@ -20,9 +20,10 @@ How the pieces fit:
   positions ``1..p`` once; each position is freed when the Functions that read it are done. The
   transient is at most one block of streams, which is what the paper's ``L_r* = sqrt(n L / (n + 2))``
   balances against the blocks' first streams (:func:`optimal_block`).
-- Under ``torch.compile`` the Functions cannot share Python state in their backward, so each one
-  rebuilds its streams from the block's first ones with the ``mhc::stream_recompute`` op
-  (:mod:`mhc.mixing_ops`), and the compiled graph's common-subexpression pass merges the repeats.
+- Under ``torch.compile`` the Functions cannot share Python state in their backward: each one
+  rebuilds its streams from the block's first ones, one ``mhc::stream_recompute`` op per step
+  (:mod:`mhc.mixing_ops`), all from one backward value that the block's Functions hand each other
+  through *links*, so that the compiled graph's common-subexpression pass merges the repeats.
 - The reference path (``backend="torch"``) saves the streams inside PyTorch ops, so there the
   site's ops run under saved-tensor hooks (:func:`reference_scope`) that swap every saved tensor
   sharing the streams' memory for a handle that rebuilds it.
@@ -254,7 +255,7 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
         if not isinstance(saved, _Rebuild):
             return saved
         p = saved.plan
-        x_rebuilt = p.at.get(p.start, p.steps, step) if p.at is not None else _advance(p.start, p.steps, step)
+        x_rebuilt = p.at.get(p.start, p.steps, step)
         shape, stride = saved.shape
         base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=x_rebuilt.device)
         base.copy_(x_rebuilt)
@@ -279,12 +280,6 @@ def note_conversion(x: torch.Tensor, converted: torch.Tensor) -> None:
         sources = _CONVERSIONS[-1]
         if x.untyped_storage().data_ptr() in sources:
             sources[converted.untyped_storage().data_ptr()] = converted
-
-
-def _advance(x, steps, step):
-    for args in steps:
-        x = step(x, *args)
-    return x
 
 
 # ------------------------------------------------------------------------------ the setting
