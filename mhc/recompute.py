@@ -122,9 +122,12 @@ def _saved_tensor_hooks():
 
 def _under_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` decides what this op saves (its forward, or its rerun in
-    the backward): the sites there keep their streams, so that both runs save the same tensors."""
+    the backward; the reentrant form reruns in a backward without hooks): the sites there keep
+    their streams, so that both runs save the same tensors and no block outlives the backward."""
     if torch.compiler.is_compiling():
         return False
+    if torch._C._current_graph_task_id() != -1:  # running inside a backward
+        return True
     hooks = _saved_tensor_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
