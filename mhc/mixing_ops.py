@@ -113,25 +113,20 @@ def _(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, gr
     return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
 
 
-def _advance_streams(mix, x, recipe_steps):
-    """``x`` after the post-mix steps ``recipe_steps`` (flat ``(h_res, y, h_post)`` triples), each with ``mix``."""
-    for i in range(0, len(recipe_steps), 3):
-        h_res, y, h_post = recipe_steps[i:i + 3]
-        x = mix(x, h_res, y, h_post)
-    return x
-
-
 @torch.library.custom_op("mhc::stream_recompute", mutates_args=())
-def _stream_recompute_op(start: torch.Tensor, steps: list[torch.Tensor], after: torch.Tensor) -> torch.Tensor:
-    # ``after``: the block's anchor (a value of the backward), unused. It keeps the op in the
-    # backward graph: an op that depends on forward values only is moved to the forward by the
-    # partitioner, which then saves its output (docs/recompute.md).
-    return _advance_streams(_kernels().stream_mix.stream_mix_fwd_unchecked, start, steps)
+def _stream_recompute_op(
+    x: torch.Tensor, h_res: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, after: torch.Tensor
+) -> torch.Tensor:
+    # One post-mix step that rebuilds streams in a backward: the forward's kernel. ``after``: the
+    # block's anchor (a value of the backward), unused. It keeps the op in the backward graph: an
+    # op that depends on forward values only is moved to the forward by the partitioner, which
+    # then saves its output (docs/recompute.md).
+    return _kernels().stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post)
 
 
 @_stream_recompute_op.register_fake
-def _(start, steps, after):
-    return torch.empty_like(start)
+def _(x, h_res, y, h_post, after):
+    return torch.empty_like(x)
 
 
 def _stream_mix_bwd_compiled(*args):
@@ -144,7 +139,7 @@ _COMPILED = SimpleNamespace(
     stream_mix_bwd=_stream_mix_bwd_compiled,
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
     coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
-    stream_recompute=lambda start, steps, after: torch.ops.mhc.stream_recompute(start, list(steps), after),
+    stream_recompute=lambda *a: torch.ops.mhc.stream_recompute(*a),
 )
 
 
@@ -158,8 +153,8 @@ def _launchers():
         _EAGER = SimpleNamespace(
             stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked, stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
             coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked, coefficients_bwd=k.coefficients_bwd,
-            stream_recompute=lambda start, steps, after: _advance_streams(k.stream_mix.stream_mix_fwd_unchecked,
-                                                                          start, steps),
+            stream_recompute=lambda x, h_res, y, h_post, after: k.stream_mix.stream_mix_fwd_unchecked(
+                x, h_res, y, h_post),
         )
     return _EAGER
 
@@ -238,7 +233,7 @@ def _rebuild(at, recipe, more_steps: tuple, anchor):
         return at.get(start, steps_of((start, *steps)), fused_mix) if steps else start
     x = start
     for i in range(0, len(steps), 3):
-        x = _launchers().stream_recompute(x, steps[i:i + 3], anchor)
+        x = _launchers().stream_recompute(x, *steps[i:i + 3], anchor)
     return x
 
 

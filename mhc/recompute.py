@@ -146,8 +146,7 @@ class StreamRecompute:
     def clear(self) -> None:
         """Forget the block being built (the model's forward hooks call this before and after
         each forward, so that no tensor outlives the forward here)."""
-        self.path, self.start, self.steps, self.streams, self.at, self.link = None, None, [], None, None, None
-        self.version = 0
+        self._start_block(None, None)
 
     def plan(self, x: torch.Tensor, path: str) -> Plan | None:
         """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
@@ -169,7 +168,12 @@ class StreamRecompute:
     def begin(self, x: torch.Tensor, path: str) -> None:
         """``x`` (as the site saved it) starts a block."""
         if torch.is_grad_enabled() and not _under_checkpoint():
-            self.path, self.start, self.steps, self.streams, self.at, self.link = path, x, [], x, None, None
+            self._start_block(path, x)
+
+    def _start_block(self, path: str | None, x: torch.Tensor | None) -> None:
+        self.path, self.start, self.steps, self.streams, self.at, self.link = path, x, [], x, None, None
+        self.version = 0
+        if x is not None:
             self._stamp(x)
 
     def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
@@ -205,12 +209,14 @@ class StreamRecompute:
 
 
 class _Rebuild:
-    """What a reference-path op saved in place of a tensor sharing the streams' memory."""
+    """What a reference-path op saved in place of a tensor sharing the streams' memory: ``layout``
+    (shape, strides) of the streams, ``geometry`` (size, strides, offset) of the saved tensor in
+    them, and the dtype of the source it views (the streams or a conversion of them)."""
 
-    __slots__ = ("plan", "shape", "geometry", "dtype")
+    __slots__ = ("plan", "layout", "geometry", "dtype")
 
-    def __init__(self, plan, shape, geometry, dtype):
-        self.plan, self.shape, self.geometry, self.dtype = plan, shape, geometry, dtype
+    def __init__(self, plan, layout, geometry, dtype):
+        self.plan, self.layout, self.geometry, self.dtype = plan, layout, geometry, dtype
 
 
 class _Outer:
@@ -258,10 +264,10 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
         if not isinstance(saved, _Rebuild):
             return saved
         p = saved.plan
-        x_rebuilt = p.at.get(p.start, p.steps, step)
-        shape, stride = saved.shape
-        base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=x_rebuilt.device)
-        base.copy_(x_rebuilt)
+        base = p.at.get(p.start, p.steps, step)
+        shape, stride = saved.layout
+        if base.dtype != saved.dtype or base.stride() != stride or base.storage_offset() != 0:
+            base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=base.device).copy_(base)
         size, strides, offset = saved.geometry
         return base.as_strided(size, strides, offset)
 

@@ -314,7 +314,6 @@ def test_compiled_reference_path_raises():
 
 def test_default_block_length_is_the_papers_optimum():
     assert [optimal_block(4, L) for L in (1, 2, 8, 16, 60)] == [1, 1, 2, 3, 6]
-    assert optimal_block(4, 16) == round(math.sqrt(4 * 16 / 6))
     model = stack(["mhc"] * 16, "torch")
     assert recompute_streams(model).every == 3
     assert all(site._recompute.every == 3 for site in model.sites)
