@@ -249,12 +249,38 @@ def _recompute_arms(arms, recompute, layers) -> list:
     return arms + extra
 
 
-def model_table(configs, seq, compile_modes, only=None, repeats=3, recompute=()):
+MODES = {"eager": None, "compiled": {}, "graphs": dict(mode="reduce-overhead")}  # torch.compile arguments
+
+
+def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager", recompute: int | None = None):
+    """``(step, model, optimizer)``: one AdamW training step of the GPT ``arm`` (seed 0) on random
+    tokens ``[batch, seq]``, run in ``mode`` (a key of :data:`MODES`), with
+    :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given."""
+    torch.manual_seed(0)
+    model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
+    if recompute:
+        recompute_streams(model, recompute)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    run = model if MODES[mode] is None else torch.compile(model, **MODES[mode])
+    tokens = torch.randint(0, 32768, (batch, seq), device="cuda")
+    targets = torch.randint(0, 32768, (batch, seq), device="cuda")
+
+    def step():
+        run(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model, opt
+
+
+def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None):
     """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
     of one step (the other arms' models are resident meanwhile and not counted). ``recompute``:
-    block lengths of :func:`mhc.recompute.recompute_streams` to add as arms."""
+    block lengths of :func:`mhc.recompute.recompute_streams` to add as arms. ``modes``: names in
+    :data:`MODES` (``"graphs"``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs). ``batch``:
+    sequences per step instead of the configuration's."""
     from triton.testing import do_bench
 
     available, skipped = _arms()
@@ -263,28 +289,17 @@ def model_table(configs, seq, compile_modes, only=None, repeats=3, recompute=())
     rows = []
     for config in configs:
         cfg = MODELS[config]
-        tokens_per_step = cfg["batch"] * seq
+        batch_size = batch or cfg["batch"]
+        tokens_per_step = batch_size * seq
         arms = _recompute_arms(base, recompute, cfg["layers"])
-        for compiled in compile_modes:
+        for name in modes:
+            compiled = MODES[name] is not None
             runs = {}
             for arm in arms:
                 if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets
                     continue
-                torch.manual_seed(0)
                 kind, _, every = arm.partition(" L_r=")
-                model = GPT(kind, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
-                if every:
-                    recompute_streams(model, int(every))
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-                run = torch.compile(model) if compiled else model
-                tokens = torch.randint(0, 32768, (cfg["batch"], seq), device="cuda")
-                targets = torch.randint(0, 32768, (cfg["batch"], seq), device="cuda")
-
-                def step(run=run, opt=opt, tokens=tokens, targets=targets):
-                    run(tokens, targets).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-
+                step, model, opt = training_step(kind, cfg, batch_size, seq, name, int(every) if every else None)
                 t0 = time.perf_counter()
                 try:
                     step()
@@ -307,22 +322,21 @@ def model_table(configs, seq, compile_modes, only=None, repeats=3, recompute=())
                 step()
                 torch.cuda.synchronize()
                 peaks[arm] = (torch.cuda.max_memory_allocated() - before + _static_bytes(model, opt)) / 2**30
-            name = "compiled" if compiled else "eager"
             for arm, (step, model, opt, first, note) in runs.items():
                 ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
                 ms = statistics.median(times[arm])
                 ratio = statistics.median(ratios)
-                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={cfg['batch']}", mode=name, arm=arm, ms=ms,
+                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={batch_size}", tokens=tokens_per_step, mode=name, arm=arm, ms=ms,
                                  tokens_per_s=tokens_per_step / ms * 1e3, x_plain=ratio, x_plain_min=ratios[0],
                                  x_plain_max=ratios[-1], peak_gib=peaks[arm], peak_x_plain=peaks[arm] / peaks["plain"],
                                  first_step_s=first, note=note))
-                print(f"  d={cfg['dim']:5d} {name:>8} {arm:>16} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
+                print(f"  d={cfg['dim']:5d} {tokens_per_step:6d} tok {name:>8} {arm:>16} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
                       f"{ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) peak {peaks[arm]:6.2f} GiB "
                       f"({peaks[arm] / peaks['plain']:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
             del runs
             torch.cuda.empty_cache()
     for arm, reason in skipped.items():
-        rows.append(dict(model="", mode="", arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
+        rows.append(dict(model="", tokens=0, mode="", arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
                          x_plain_min=float("nan"), x_plain_max=float("nan"), peak_gib=float("nan"),
                          peak_x_plain=float("nan"), first_step_s=float("nan"), note=reason))
     return rows
@@ -364,8 +378,10 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
                    choices=["kernels", "block", "model", "profile"])
-    p.add_argument("--no-compile", action="store_true", help="model table: eager only")
-    p.add_argument("--compiled-only", action="store_true", help="model table: torch.compile only")
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=sorted(MODES),
+                   help="model table: eager, torch.compile, torch.compile(mode='reduce-overhead') (CUDA graphs)")
+    p.add_argument("--batch", type=int, nargs="+", default=[None],
+                   help="model table: sequences per step (default: the configuration's); several: one table each")
     p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-chain", "mhc-torch", "liger"],
                    help="model table: only these arms (default: all)")
     p.add_argument("--models", nargs="+", default=["1024", "4096"], choices=sorted(MODELS),
@@ -396,10 +412,10 @@ def main(argv=None):
     if "model" in args.tables:
         print(f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
               flush=True)
-        rows = model_table(args.models, args.seq, [False] if args.no_compile else [True] if args.compiled_only else [False, True], args.arms,
-                           args.repeats, args.recompute)
+        rows = [row for batch in args.batch
+                for row in model_table(args.models, args.seq, args.modes, args.arms, args.repeats, args.recompute, batch)]
         write_csv(rows, f"{args.out_dir}/model.csv",
-                  ["model", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
+                  ["model", "tokens", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
                    "peak_x_plain", "first_step_s", "note"])
     if "profile" in args.tables:
         table = profile_block(4096, 4, args.tokens, args.profile_rows)

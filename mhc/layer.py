@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mhc import reference
+from mhc._library import kernel_op
 
 __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
 
@@ -74,60 +75,40 @@ def _resolve_backend(logits: torch.Tensor, backend: str, eps: float = 0.0) -> st
     return backend
 
 
-# Triton path. The launchers are registered as torch.library ops so that torch.compile
-# (fullgraph=True) traces through SinkhornFunction without graph breaks; in eager mode the
-# Function calls the launchers directly, since the op wrappers cost more than the kernels at
-# realistic sizes. Inputs are [T, n, n]; outputs have the input's dtype.
+# Triton path. The launchers are registered as torch.library ops (mhc._library: triton_op, whose
+# kernels the compiled graph launches itself) so that torch.compile (fullgraph=True) and
+# torch.export trace through SinkhornFunction; in eager mode the Function calls the launchers
+# directly, since the op wrappers cost more than the kernels at realistic sizes. Inputs are
+# [T, n, n]; outputs have the input's dtype.
 
 
-@torch.library.custom_op("mhc::sinkhorn_fwd", mutates_args=())
+def _like_first(first, *rest):
+    return first.new_empty(first.shape)
+
+
+@kernel_op("mhc::sinkhorn_fwd", _like_first)
 def _sinkhorn_fwd_op(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return _kernels().sinkhorn_fwd(logits, iters)
 
 
-@torch.library.custom_op("mhc::sinkhorn_bwd", mutates_args=())
+@kernel_op("mhc::sinkhorn_bwd", _like_first)
 def _sinkhorn_bwd_op(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     return _kernels().sinkhorn_bwd(logits, grad_out, iters)
 
 
-@torch.library.custom_op("mhc::sinkhorn_implicit_bwd", mutates_args=())
+@kernel_op("mhc::sinkhorn_implicit_bwd", _like_first)
 def _sinkhorn_implicit_bwd_op(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return _kernels().sinkhorn_implicit_bwd(out, grad_out)
 
 
-@torch.library.custom_op("mhc::sinkhorn_eps_fwd", mutates_args=())
+@kernel_op("mhc::sinkhorn_eps_fwd", _like_first)
 def _sinkhorn_eps_fwd_op(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return _kernels().sinkhorn_eps_fwd(logits, iters, eps)
 
 
-@torch.library.custom_op("mhc::sinkhorn_eps_bwd", mutates_args=())
+@kernel_op("mhc::sinkhorn_eps_bwd", _like_first)
 def _sinkhorn_eps_bwd_op(logits: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return _kernels().sinkhorn_eps_bwd(logits, grad_out, iters, eps)
-
-
-@_sinkhorn_fwd_op.register_fake
-def _(logits, iters):
-    return logits.new_empty(logits.shape)
-
-
-@_sinkhorn_eps_fwd_op.register_fake
-def _(logits, iters, eps):
-    return logits.new_empty(logits.shape)
-
-
-@_sinkhorn_eps_bwd_op.register_fake
-def _(logits, grad_out, iters, eps):
-    return logits.new_empty(logits.shape)
-
-
-@_sinkhorn_bwd_op.register_fake
-def _(logits, grad_out, iters):
-    return logits.new_empty(logits.shape)
-
-
-@_sinkhorn_implicit_bwd_op.register_fake
-def _(out, grad_out):
-    return out.new_empty(out.shape)
 
 
 def sinkhorn_launchers():

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from mhc._autograd import refuse_double_backward
+from mhc._library import kernel_op
 from mhc.layer import _kernels, check_settings, sinkhorn_bwd_launch
 from mhc.recompute import steps_of
 
@@ -37,29 +38,18 @@ def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.dim() == 1 and t.numel() == 0 else t
 
 
-@torch.library.custom_op("mhc::stream_mix_fwd", mutates_args=())
+def _stream_mix_fwd_fake(x, w, y, b):
+    return x.new_empty((*x.shape[:-2], w.shape[1], x.shape[-1]))
+
+
+@kernel_op("mhc::stream_mix_fwd", _stream_mix_fwd_fake)
 def _stream_mix_fwd_op(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None
 ) -> torch.Tensor:
     return _kernels().stream_mix.stream_mix_fwd_unchecked(x, w, y, b)
 
 
-@_stream_mix_fwd_op.register_fake
-def _(x, w, y, b):
-    return x.new_empty((*x.shape[:-2], w.shape[1], x.shape[-1]))
-
-
-@torch.library.custom_op("mhc::stream_mix_bwd", mutates_args=())
-def _stream_mix_bwd_op(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
-    grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None, need_grad_x: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = _kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
-    return tuple(x.new_empty((0,)) if t is None else t for t in outs)
-
-
-@_stream_mix_bwd_op.register_fake
-def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
+def _stream_mix_bwd_fake(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
     T, n_out, n = w.shape
     f32 = dict(dtype=torch.float32)
     return (
@@ -70,7 +60,16 @@ def _(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
     )
 
 
-def _coefficient_outputs_fake(x):
+@kernel_op("mhc::stream_mix_bwd", _stream_mix_bwd_fake)
+def _stream_mix_bwd_op(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
+    grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None, need_grad_x: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = _kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
+    return tuple(x.new_empty((0,)) if t is None else t for t in outs)
+
+
+def _coefficients_fwd_fake(x, phi, alpha, bias, iters, eps, hc_eps):
     """Fake ``(x_in, p, r, h_pre, h_post, z_res, h_res)`` of a coefficient forward on ``x [..., n, d]``."""
     *lead, n, d = x.shape
     T = math.prod(lead)
@@ -82,7 +81,7 @@ def _coefficient_outputs_fake(x):
     )
 
 
-@torch.library.custom_op("mhc::mhc_coefficients_fwd", mutates_args=())
+@kernel_op("mhc::mhc_coefficients_fwd", _coefficients_fwd_fake)
 def _coefficients_fwd_op(
     x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int, eps: float,
     hc_eps: float,
@@ -90,12 +89,13 @@ def _coefficients_fwd_op(
     return _kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
-@_coefficients_fwd_op.register_fake
-def _(x, phi, alpha, bias, iters, eps, hc_eps):
-    return _coefficient_outputs_fake(x)
+def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
+                           hc_eps):
+    f32 = dict(dtype=torch.float32)  # the parameters' gradients are fp32 whatever their dtype
+    return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
 
 
-@torch.library.custom_op("mhc::mhc_coefficients_bwd", mutates_args=())
+@kernel_op("mhc::mhc_coefficients_bwd", _coefficients_bwd_fake)
 def _coefficients_bwd_op(
     x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor, r: torch.Tensor,
     h_pre: torch.Tensor, h_post: torch.Tensor,
@@ -107,13 +107,7 @@ def _coefficients_bwd_op(
     )
 
 
-@_coefficients_bwd_op.register_fake
-def _(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
-    f32 = dict(dtype=torch.float32)  # the parameters' gradients are fp32 whatever their dtype
-    return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
-
-
-@torch.library.custom_op("mhc::stream_recompute", mutates_args=())
+@kernel_op("mhc::stream_recompute", lambda x, h_res, y, h_post, after: torch.empty_like(x))
 def _stream_recompute_op(
     x: torch.Tensor, h_res: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, after: torch.Tensor
 ) -> torch.Tensor:
@@ -122,11 +116,6 @@ def _stream_recompute_op(
     # op that depends on forward values only is moved to the forward by the partitioner, which
     # then saves its output (docs/recompute.md).
     return _kernels().stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post)
-
-
-@_stream_recompute_op.register_fake
-def _(x, h_res, y, h_post, after):
-    return torch.empty_like(x)
 
 
 def _stream_mix_bwd_compiled(*args):

@@ -25,17 +25,7 @@ import benchmark_mixing as bench  # noqa: E402
 
 def kernel_times(arm: str, config: dict, compiled: bool, steps: int, seq: int = 2048):
     """``(ms per step, calls per step)`` of every CUDA kernel of one arm's training step."""
-    torch.manual_seed(0)
-    model = bench.GPT(arm, dim=config["dim"], layers=config["layers"], heads=config["heads"]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    run = torch.compile(model) if compiled else model
-    tokens = torch.randint(0, 32768, (config["batch"], seq), device="cuda")
-    targets = torch.randint(0, 32768, (config["batch"], seq), device="cuda")
-
-    def step():
-        run(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step, _, _ = bench.training_step(arm, config, config["batch"], seq, "compiled" if compiled else "eager")
 
     for _ in range(5):
         step()

@@ -15,12 +15,18 @@ goes through ``kernel[grid]`` (which compiles or finds the kernel) and stores wh
 
 Under ``TRITON_INTERPRET=1`` there is no compiled kernel: every launch is ``kernel[grid]``.
 ``MHC_FAST_LAUNCH=0`` does the same on a GPU (for comparison and debugging).
+
+Inside a ``torch.library.triton_op``'s body (``mhc._library``) a launch goes through
+``torch.library.wrap_triton``, so that ``torch.compile`` and ``torch.export`` see the kernel.
 """
 
 import os
 
 import torch
+import triton
 from triton import knobs
+
+from mhc import _library
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
@@ -56,6 +62,9 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
     """``kernel[grid](*args, **meta)``. ``args`` are the kernel's leading non-constexpr arguments in
     order, ``meta`` its constexpr arguments (as keywords) and launch options (``num_warps``, ...);
     ``meta_key`` is a hashable stand-in for ``meta`` (launchers cache their meta per configuration)."""
+    if _library.tracing:
+        _traced_launch(kernel, grid, args, meta, meta_key)
+        return
     if not FAST:
         kernel[grid](*args, **meta)
         return
@@ -81,6 +90,24 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
         return
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *full), enter, leave, *full)
+
+
+# launch options that torch.library.wrap_triton takes as keywords; others (maxnreg) go into a
+# one-config autotuner around the kernel, which the compiler reads them from
+_WRAP_OPTIONS = ("num_warps", "num_stages")
+_TUNED: dict = {}
+
+
+def _traced_launch(kernel, grid, args, meta, meta_key) -> None:
+    options = {k: meta[k] for k in ("maxnreg",) if k in meta}
+    if options:
+        key = (id(kernel), meta_key)
+        if key not in _TUNED:
+            options.update((k, meta[k]) for k in _WRAP_OPTIONS if k in meta)
+            _TUNED[key] = triton.autotune([triton.Config({}, **options)], key=[])(kernel)
+        kernel = _TUNED[key]
+        meta = {k: v for k, v in meta.items() if k not in options}
+    torch.library.wrap_triton(kernel)[grid](*args, **meta)
 
 
 def _no_hook(hook) -> bool:

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_tensor
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
     MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, centered,
     cdiv, launch_config,
@@ -89,9 +90,9 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
     grad_in = torch.empty_like(out)
     if T == 0:
         return grad_in
+    fp64 = out.dtype == torch.float64
     np2, block_t, num_warps = launch_config(n, IMPLICIT_VALUES_PER_THREAD)
-    sinkhorn_implicit_bwd_kernel[(cdiv(T, block_t),)](
-        out, grad_out, grad_in, T,
-        N=n, NP=np2, BLOCK_T=block_t, FP64=out.dtype == torch.float64, num_warps=num_warps,
-    )
+    meta = dict(N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
+    launch(sinkhorn_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out, grad_in, T), meta,
+           ("sinkhorn_implicit_bwd", n, fp64))
     return grad_in

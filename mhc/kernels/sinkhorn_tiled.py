@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
+from mhc.kernels._launch import launch
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
@@ -369,11 +370,10 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     if T == 0:
         return out
     block_t, ri, num_warps = _config(n, "fwd")
-    sinkhorn_tiled_fwd_kernel[(cdiv(T, block_t),)](
-        logits, out, T, iters,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=logits.dtype == torch.float64,
-        num_warps=num_warps,
-    )
+    fp64 = logits.dtype == torch.float64
+    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, num_warps=num_warps)
+    launch(sinkhorn_tiled_fwd_kernel, (cdiv(T, block_t),), (logits, out, T, iters), meta,
+           ("sinkhorn_tiled_fwd", n, rs, fp64))
     return out
 
 
@@ -384,12 +384,11 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     if T == 0:
         return grad_in
     block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")
-    sinkhorn_tiled_bwd_kernel[(cdiv(T, block_t),)](
-        logits, grad_out, grad_in, T, iters,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg,
-        SEGP=max(VEC.value, next_pow2(seg + 1)), RECOMPUTE_R1=recompute_r1,
-        FP64=logits.dtype == torch.float64, num_warps=num_warps,
-    )
+    fp64 = logits.dtype == torch.float64
+    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg, SEGP=max(VEC.value, next_pow2(seg + 1)),
+                RECOMPUTE_R1=recompute_r1, FP64=fp64, num_warps=num_warps)
+    launch(sinkhorn_tiled_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out, grad_in, T, iters), meta,
+           ("sinkhorn_tiled_bwd", n, rs, fp64))
     return grad_in
 
 
@@ -399,9 +398,9 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
     if T == 0:
         return grad_in
     block_t, ri, num_warps = _config(n, "implicit")
-    sinkhorn_tiled_implicit_bwd_kernel[(cdiv(T, block_t),)](
-        out, grad_out, grad_in, T,
-        N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=out.dtype == torch.float64,
-        CG_TOL=1e-13 if out.dtype == torch.float64 else 1e-6, num_warps=num_warps,
-    )
+    fp64 = out.dtype == torch.float64
+    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, CG_TOL=1e-13 if fp64 else 1e-6,
+                num_warps=num_warps)
+    launch(sinkhorn_tiled_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out, grad_in, T), meta,
+           ("sinkhorn_tiled_implicit_bwd", n, rs, fp64))
     return grad_in

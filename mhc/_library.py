@@ -1,0 +1,72 @@
+"""How the Triton launchers become ``torch.library`` ops that ``torch.compile`` and ``torch.export``
+trace.
+
+``torch.library.triton_op`` (PyTorch >= 2.6) registers an op whose body the compiler traces: the
+Triton kernels it launches through ``torch.library.wrap_triton`` appear in the compiled graph and
+Inductor launches them from its own generated code (Python, ``cpp_wrapper`` C++ or an AOTInductor
+package), with no Python op wrapper or launcher of ours per kernel. ``torch.library.custom_op`` is
+opaque: the compiled graph calls back into Python for every op. :func:`kernel_op` registers a
+launcher as a ``triton_op`` where it can and as a ``custom_op`` otherwise:
+
+- PyTorch older than 2.6 (no ``triton_op``);
+- ``TRITON_INTERPRET=1``: the interpreter's kernels cannot be traced (they are not compiled
+  ``JITFunction``\\ s) and Inductor would compile them for the CPU;
+- ``MHC_TRITON_OP=0``: the opaque ops on purpose (comparison, debugging);
+- no Triton installed (nothing launches then anyway).
+
+While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), :data:`tracing` is set
+and :func:`mhc.kernels._launch.launch` goes through ``wrap_triton`` instead of its cached
+launcher, which reads data pointers that fake tensors do not have. Outside the ops (eager mode)
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["TRITON_OP", "kernel_op", "tracing"]
+
+TRITON_OP = (
+    hasattr(torch.library, "triton_op")
+    and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    and os.environ.get("MHC_TRITON_OP", "1") != "0"
+    and importlib.util.find_spec("triton") is not None
+)
+
+tracing = False  # inside a triton_op's body: launches go through torch.library.wrap_triton
+
+
+@contextlib.contextmanager
+def _tracing():
+    global tracing
+    before, tracing = tracing, True
+    try:
+        yield
+    finally:
+        tracing = before
+
+
+def kernel_op(name: str, fake):
+    """Register the launcher ``fn`` as the op ``name`` (``"mhc::..."``, no argument mutated):
+    a ``triton_op`` where :data:`TRITON_OP`, else a ``custom_op`` with the fake implementation
+    ``fake`` (a ``triton_op`` derives its own by running ``fn`` on fake tensors)."""
+
+    def register(fn):
+        if not TRITON_OP:
+            op = torch.library.custom_op(name, fn, mutates_args=())
+            op.register_fake(fake)
+            return op
+
+        @functools.wraps(fn)
+        def body(*args):
+            with _tracing():
+                return fn(*args)
+
+        return torch.library.triton_op(name, body, mutates_args=())
+
+    return register

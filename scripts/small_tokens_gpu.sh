@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
+# GPT step at small and large token counts, eager / compiled / CUDA graphs, and the host profile.
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|host|table-1024|table-4096|block
+set -uo pipefail
+out=${OUT:-results}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    $(compgen -G ".whl/tf/*.whl") >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
+bench="python3 examples/benchmark_mixing.py --tables model --repeats 3"
+for stage in "$@"; do
+  case $stage in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_compiled_gpu.py tests/test_capture_gpu.py \
+             tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
+    gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
+             --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
+    host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
+    table-1024) $bench --models 1024 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
+             --batch 1 2 4 8 16 --out-dir "$out/table_1024" 2>&1 | tee "$out/table_1024.log" ;;
+    table-4096) $bench --models 4096 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
+             --batch 1 2 4 8 16 --out-dir "$out/table_4096" 2>&1 | tee "$out/table_4096.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

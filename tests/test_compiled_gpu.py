@@ -1,0 +1,209 @@
+"""The kernels inside compiled and exported graphs (``mhc._library``): ``torch.compile`` launches
+the Triton kernels from Inductor's own code (no ``torch.ops.mhc`` call left in it), with the
+Python wrapper and with ``cpp_wrapper``; ``torch.export`` + AOTInductor runs HyperConnection sites
+from a package. Values and gradients against eager mode."""
+
+import pytest
+import torch
+from torch import nn
+
+from mhc import _library
+from mhc.layer import sinkhorn
+from mhc.mixing import HyperConnection, expand_streams, reduce_streams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _library.TRITON_OP, reason="needs torch.library.triton_op (PyTorch >= 2.6)"),
+]
+
+DIM, N = 64, 4
+# every kernel of a site, forward and backward: mHC (Sinkhorn backward included), plain HC (its
+# coefficients are PyTorch ops)
+SITE_KERNELS = {
+    "sinkhorn": ("coefficients_fwd_kernel", "stream_mix_fwd_kernel", "stream_mix_bwd_kernel", "coefficient_grad_kernel",
+                 "projection_bwd_kernel", "sinkhorn_bwd_kernel"),
+    "none": ("stream_mix_fwd_kernel", "stream_mix_bwd_kernel"),
+}
+
+
+class Stack(nn.Module):
+    """Three sites around MLPs, called one by one or chained (``finish(y, next=)``)."""
+
+    def __init__(self, chain=False, **site):
+        super().__init__()
+        self.chain = chain
+        self.sites = nn.ModuleList(
+            HyperConnection(DIM, N, nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)), **site)
+            for _ in range(3))
+
+    def forward(self, h):
+        x = expand_streams(h, N)
+        if not self.chain:
+            for site in self.sites:
+                x = site(x)
+            return reduce_streams(x)
+        x_in, finish = self.sites[0].split(x)
+        for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
+            y = site.branch(x_in)
+            if nxt is None:
+                return reduce_streams(finish(y))
+            x_in, finish = finish(y, next=nxt)
+
+
+def _model(chain=False, seed=0, **site):
+    torch.manual_seed(seed)
+    model = Stack(chain, **site).cuda()
+    with torch.no_grad():  # away from the identity start, so every coefficient matters
+        for name, p in model.named_parameters():
+            if not name.split(".")[2:3] == ["branch"]:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _step(run, model, h, w):
+    model.zero_grad(set_to_none=True)
+    h = h.detach().requires_grad_()
+    out = run(h)
+    out.backward(w)
+    return out.detach(), h.grad, [p.grad for p in model.parameters()]
+
+
+def _assert_step_close(got, want, rtol, atol):
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=atol)
+    for g, e in zip(got[2], want[2]):
+        torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+
+
+def _inputs(tokens, dtype=torch.float32):
+    torch.manual_seed(1)
+    h = torch.randn(tokens, DIM, device="cuda", dtype=dtype)
+    return h, torch.randn_like(h)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("constraint", ["sinkhorn", "none"])
+def test_compiled_step_launches_the_kernels_itself(chain, constraint):
+    """The compiled forward and backward hold the kernels as Inductor-launched Triton kernels and
+    no call of a ``torch.ops.mhc`` op (each of which would run Python per kernel)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _model(chain, constraint=constraint, init="zero" if constraint == "sinkhorn" else "residual")
+    h, w = _inputs(96)
+    want = _step(model, model, h, w)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    got, code = run_and_get_code(lambda: _step(compiled, model, h, w))
+    _assert_step_close(got, want, rtol=1e-4, atol=1e-5)
+    source = "\n".join(code)
+    assert "torch.ops.mhc" not in source
+    for kernel in SITE_KERNELS[constraint]:
+        assert kernel in source, kernel
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_cpp_wrapper_step_matches_eager(chain):
+    from torch._inductor import config
+
+    model = _model(chain)
+    h, w = _inputs(130)
+    want = _step(model, model, h, w)
+    torch._dynamo.reset()
+    with config.patch(cpp_wrapper=True):
+        compiled = torch.compile(model, fullgraph=True)
+        got = _step(compiled, model, h, w)
+    _assert_step_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# Loads an AOTInductor package and checks it against saved inputs and outputs, in a process of its
+# own: a loader that crashes must not take the test session with it.
+_LOAD_AND_CHECK = """
+import sys, torch
+package, cases, rtol, atol = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+loaded = torch._inductor.aoti_load_package(package)
+for x, want in torch.load(cases):
+    torch.testing.assert_close(loaded(x), want, rtol=rtol, atol=atol)
+print("ok")
+"""
+
+
+def _package(module, example, path, dynamic_shapes=None):
+    with torch.no_grad():
+        exported = torch.export.export(module, (example,), dynamic_shapes=dynamic_shapes)
+        return exported, torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+def _load_and_check(package, cases, path, rtol, atol):
+    import subprocess
+    import sys
+
+    torch.save(cases, path)
+    return subprocess.run([sys.executable, "-c", _LOAD_AND_CHECK, package, str(path), str(rtol), str(atol)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def aoti_loads(tmp_path_factory):
+    """Whether this machine's AOTInductor loads any package: a plain ``nn.Linear``'s. With PyTorch
+    2.11 (CUDA 13) on the H100 machines the loader crashes (SIGSEGV) for every package."""
+    tmp = tmp_path_factory.mktemp("aoti_linear")
+    linear = nn.Linear(DIM, DIM).cuda().eval()
+    x = torch.randn(8, DIM, device="cuda")
+    _, package = _package(linear, x, tmp / "linear.pt2")
+    with torch.no_grad():
+        result = _load_and_check(package, [(x, linear(x))], tmp / "cases.pt", 1e-5, 1e-6)
+    return result.returncode == 0, f"exit status {result.returncode}: {result.stderr[-300:]}"
+
+
+@pytest.mark.parametrize("dtype, hc_eps", [(torch.float32, 0.0), (torch.bfloat16, 1e-6)])
+def test_export_and_aoti_package_run_the_sites(tmp_path, aoti_loads, dtype, hc_eps):
+    """``torch.export`` of a model with mHC sites: the exported program, and the AOTInductor package
+    built from it and loaded back, give eager's forward at the exported token count and at another
+    (the token count is dynamic)."""
+    model = _model(hc_eps=hc_eps).to(dtype).eval()
+    h, _ = _inputs(96, dtype)
+    tokens = torch.export.Dim("tokens", min=2, max=4096)
+    exported, package = _package(model, h, tmp_path / "sites.pt2", dynamic_shapes=({0: tokens},))
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    cases = []
+    for rows in (96, 1000):
+        x = torch.randn(rows, DIM, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            want = model(x)
+            torch.testing.assert_close(exported.module()(x), want, **tol)
+        cases.append((x, want))
+    loads, why = aoti_loads
+    if not loads:
+        pytest.skip(f"AOTInductor cannot load a plain nn.Linear package on this machine ({why})")
+    result = _load_and_check(package, cases, tmp_path / "cases.pt", **tol)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backward", ["exact", "implicit"])
+@pytest.mark.parametrize("n", [4, 24])
+def test_compiled_sinkhorn_matches_eager(backward, n):
+    """The Sinkhorn ops (the per-token and the tiled kernels) inside a compiled graph."""
+    torch.manual_seed(0)
+    logits = torch.randn(300, n, n, device="cuda", requires_grad=True)
+    g = torch.randn(300, n, n, device="cuda")
+    out = sinkhorn(logits, iters=20, backward=backward)
+    (want,) = torch.autograd.grad(out, logits, g)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda z: sinkhorn(z, iters=20, backward=backward), fullgraph=True)
+    got_out = compiled(logits)
+    (got,) = torch.autograd.grad(got_out, logits, g)
+    torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_registered_ops_run_eagerly():
+    """The ops called outside a compiled graph (as an exported program run in Python does) give the
+    launchers' results."""
+    from mhc.kernels import stream_mix_fwd
+
+    torch.manual_seed(0)
+    x = torch.randn(70, N, DIM, device="cuda")
+    w = torch.rand(70, N, N, device="cuda")
+    y = torch.randn(70, DIM, device="cuda")
+    b = torch.rand(70, N, device="cuda")
+    torch.testing.assert_close(torch.ops.mhc.stream_mix_fwd(x, w, y, b), stream_mix_fwd(x, w, y, b), rtol=0, atol=0)
