@@ -18,6 +18,10 @@ While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), :data:
 and :func:`mhc.kernels._launch.launch` goes through ``wrap_triton`` instead of its cached
 launcher, which reads data pointers that fake tensors do not have. Outside the ops (eager mode)
 nothing changes.
+
+Registering the first ``triton_op`` also installs :mod:`mhc._write_analysis`: PyTorch analyses
+which arguments a traced kernel writes once per kernel specialization instead of several times per
+call, which would otherwise dominate the compile time of a model with many sites.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import importlib.util
 import os
 
 import torch
+
+from mhc import _write_analysis
 
 __all__ = ["TRITON_OP", "kernel_op", "tracing"]
 
@@ -61,6 +67,8 @@ def kernel_op(name: str, fake):
             op = torch.library.custom_op(name, fn, mutates_args=())
             op.register_fake(fake)
             return op
+
+        _write_analysis.install()
 
         @functools.wraps(fn)
         def body(*args):

@@ -101,6 +101,34 @@ def test_compiled_step_launches_the_kernels_itself(chain, constraint):
         assert kernel in source, kernel
 
 
+def test_compiled_step_analyses_each_kernel_once(monkeypatch):
+    """PyTorch asks which arguments a kernel writes several times per kernel call (functionalization,
+    Inductor's lowering); through ``mhc._write_analysis`` each kernel specialization's TTIR is
+    generated once for the whole compiled step, which still matches eager."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from mhc import _write_analysis
+
+    assert _write_analysis.installed()
+    generated = []
+    generate_ttir = triton_kernel_wrap.generate_ttir
+
+    def counted(kernel, *args, **kwargs):
+        generated.append(_write_analysis._jit_function(kernel).fn.__name__)
+        return generate_ttir(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernel_wrap, "generate_ttir", counted)
+    monkeypatch.setattr(_write_analysis, "_CACHE", {})
+    model = _model()
+    h, w = _inputs(96)
+    want = _step(model, model, h, w)
+    torch._dynamo.reset()
+    got = _step(torch.compile(model, fullgraph=True), model, h, w)
+    _assert_step_close(got, want, rtol=1e-4, atol=1e-5)
+    assert set(SITE_KERNELS["sinkhorn"]) <= set(generated)
+    assert len(generated) == len(_write_analysis._CACHE)  # no specialization analysed twice
+
+
 @pytest.mark.parametrize("chain", [False, True])
 def test_cpp_wrapper_step_matches_eager(chain):
     from torch._inductor import config

@@ -1,0 +1,131 @@
+"""One write analysis per kernel specialization while ``torch.compile`` traces mhc's kernels.
+
+For every user Triton kernel call in a graph, PyTorch works out which arguments the kernel writes:
+it generates the kernel's TTIR and walks it (``identify_mutated_tensors`` in PyTorch 2.11,
+``identify_accessed_tensors`` in later versions). Nothing is cached across calls, and the same call is
+analysed up to four times: in functionalization, twice in Inductor's lowering and in the kernel's
+IR node. A GPT of 16 sites makes about 100 kernel calls, so about 300 TTIR generations of kernels
+that unroll their 20 Sinkhorn iterations: most of its first compiled step (``docs/small_tokens.md``,
+"Compile time"). Upstream work on it: pytorch/pytorch#193227.
+
+The answer depends only on the kernel and on what the TTIR generation sees of the arguments: a
+fake tensor or Inductor buffer becomes a two-element tensor of its dtype, a symbolic value becomes
+2, anything else is passed as it is. :func:`install` wraps PyTorch's analysis with a cache keyed on
+exactly that, for mhc's kernels only: other kernels, calls with TMA descriptors and arguments that
+cannot be keyed go straight through. ``MHC_WRITE_ANALYSIS_CACHE=0`` leaves PyTorch's alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import torch
+
+__all__ = ["install", "installed"]
+
+# PyTorch's analysis, by version: the first one its module has is wrapped
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+
+_CACHE: dict = {}
+
+
+def _jit_function(kernel):
+    """The ``JITFunction`` inside ``kernel`` (an autotuner or heuristics around one, or itself);
+    ``None`` for anything else (the interpreter's kernels too)."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        if not hasattr(kernel, "fn"):
+            return None
+        kernel = kernel.fn
+    return kernel
+
+
+def _is_own(jit_function) -> bool:
+    return getattr(jit_function.fn, "__module__", "").startswith("mhc.")
+
+
+def _argument_key(value):
+    """What the TTIR generation sees of one argument, hashable; ``None`` when it cannot be keyed."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor) or type(value).__name__ == "TensorBox":
+        return ("tensor", value.dtype)
+    if isinstance(value, torch.Tensor):  # a real tensor is passed on: Triton sees its alignment
+        try:
+            return ("tensor", value.dtype, value.data_ptr() % 16 == 0)
+        except RuntimeError:  # a wrapper subclass without storage
+            return None
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or type(value).__module__.startswith("sympy"):
+        return ("symbolic",)
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value), value)
+
+
+def _call_key(kernel, kwargs, tma_descriptor_metadata):
+    """The key of one analysis, or ``None`` to leave it to PyTorch. Dynamo wraps a kernel launched
+    with ``num_warps`` in a new one-config autotuner at every call, so the key holds the
+    ``JITFunction`` inside, and the first config's arguments, which the TTIR generation adds."""
+    jit_function = _jit_function(kernel)
+    if tma_descriptor_metadata or jit_function is None or not _is_own(jit_function):
+        return None
+    configs = getattr(kernel, "configs", None)
+    if configs:
+        kwargs = {**kwargs, **configs[0].kwargs}
+    key = [id(jit_function)]
+    for name in sorted(kwargs):
+        arg = _argument_key(kwargs[name])
+        if arg is None:
+            return None
+        key += (name, arg)
+    return tuple(key)
+
+
+def _cached(analysis):
+    @functools.wraps(analysis)
+    def analyse(kernel, kwargs, tma_descriptor_metadata, *args, **options):
+        key = None if args or options else _call_key(kernel, kwargs, tma_descriptor_metadata)
+        if key is None:
+            return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **options)
+        if key not in _CACHE:
+            # the JITFunction is kept with its answer: the key holds its id
+            _CACHE[key] = (_jit_function(kernel), analysis(kernel, kwargs, tma_descriptor_metadata))
+        return copy.deepcopy(_CACHE[key][1])  # callers get their own copy, as from PyTorch
+
+    analyse.mhc_uncached = analysis
+    return analyse
+
+
+def installed() -> bool:
+    """Whether PyTorch's write analysis goes through the cache."""
+    module = _module()
+    return module is not None and any(
+        hasattr(getattr(module, name, None), "mhc_uncached") for name in _ANALYSES
+    )
+
+
+def _module():
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap
+    except ImportError:
+        return None
+    return triton_kernel_wrap
+
+
+def install() -> None:
+    """Wrap PyTorch's write analysis with the cache (once; nothing where PyTorch has neither
+    analysis or ``MHC_WRITE_ANALYSIS_CACHE=0``). Its callers look it up in its module at each
+    call, so replacing the module's attribute reaches them all."""
+    module = _module()
+    if module is None or installed() or os.environ.get("MHC_WRITE_ANALYSIS_CACHE", "1") == "0":
+        return
+    for name in _ANALYSES:
+        analysis = getattr(module, name, None)
+        if analysis is not None:
+            setattr(module, name, _cached(analysis))
+            return
