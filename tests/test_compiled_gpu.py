@@ -9,7 +9,7 @@ from torch import nn
 
 from mhc import _library
 from mhc.layer import sinkhorn
-from mhc.mixing import HyperConnection, expand_streams, reduce_streams
+from tests.site_stack import SiteStack
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,33 +26,10 @@ SITE_KERNELS = {
 }
 
 
-class Stack(nn.Module):
-    """Three sites around MLPs, called one by one or chained (``finish(y, next=)``)."""
-
-    def __init__(self, chain=False, **site):
-        super().__init__()
-        self.chain = chain
-        self.sites = nn.ModuleList(
-            HyperConnection(DIM, N, nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)), **site)
-            for _ in range(3))
-
-    def forward(self, h):
-        x = expand_streams(h, N)
-        if not self.chain:
-            for site in self.sites:
-                x = site(x)
-            return reduce_streams(x)
-        x_in, finish = self.sites[0].split(x)
-        for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                return reduce_streams(finish(y))
-            x_in, finish = finish(y, next=nxt)
-
-
 def _model(chain=False, seed=0, **site):
     torch.manual_seed(seed)
-    model = Stack(chain, **site).cuda()
+    branches = [nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)) for _ in range(3)]
+    model = SiteStack(DIM, N, branches, chain, **site).cuda()
     with torch.no_grad():  # away from the identity start, so every coefficient matters
         for name, p in model.named_parameters():
             if not name.split(".")[2:3] == ["branch"]:

@@ -17,7 +17,7 @@ from triton.runtime.jit import JITFunction
 
 from mhc import _write_analysis
 
-TRACE = pathlib.Path(__file__).with_name("write_analysis_trace.py")
+ROOT = pathlib.Path(__file__).parents[1]
 
 
 def _kernel_source(x_ptr, out_ptr, n, BLOCK):  # never run: only its identity and module matter
@@ -142,7 +142,8 @@ def test_install_wraps_once_and_can_be_turned_off(monkeypatch):
 def _trace(cache: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MHC_WRITE_ANALYSIS_CACHE"] = "1" if cache else "0"
-    run = subprocess.run([sys.executable, str(TRACE), "3"], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "tests.write_analysis_trace", "3"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

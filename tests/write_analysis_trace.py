@@ -5,7 +5,7 @@ the kernels must be real ``JITFunction``\\ s (no ``TRITON_INTERPRET``), and a st
 Triton a Hopper target, so the TTIR is generated without a GPU. CPU tensors stand in for CUDA ones;
 no kernel runs (the trace stops before the compiled graph would).
 
-    python tests/write_analysis_trace.py SITES [--chain]
+    python -m tests.write_analysis_trace SITES [--chain]     (from the repository's root)
 """
 
 import json
@@ -38,31 +38,11 @@ driver.set_active(HopperDriver())
 
 import mhc.kernels  # noqa: E402
 from mhc import _library, _write_analysis  # noqa: E402
-from mhc.mixing import HyperConnection, expand_streams, reduce_streams  # noqa: E402
+from tests.site_stack import SiteStack  # noqa: E402
 
 mhc.kernels.check_device = lambda x: None  # CPU tensors stand in for CUDA ones: nothing launches
 
 DIM, N = 64, 4
-
-
-class Stack(nn.Module):
-    def __init__(self, sites: int, chain: bool):
-        super().__init__()
-        self.chain = chain
-        self.sites = nn.ModuleList(HyperConnection(DIM, N, nn.Linear(DIM, DIM), backend="triton") for _ in range(sites))
-
-    def forward(self, h):
-        x = expand_streams(h, N)
-        if not self.chain:
-            for site in self.sites:
-                x = site(x)
-            return reduce_streams(x)
-        x_in, finish = self.sites[0].split(x)
-        for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                return reduce_streams(finish(y))
-            x_in, finish = finish(y, next=nxt)
 
 
 class Traced(Exception):
@@ -84,7 +64,7 @@ def _answer(result) -> list:
 
 def main():
     sites, chain = int(sys.argv[1]), "--chain" in sys.argv
-    model = Stack(sites, chain)
+    model = SiteStack(DIM, N, [nn.Linear(DIM, DIM) for _ in range(sites)], chain, backend="triton")
     name = next(n for n in ("identify_accessed_tensors", "identify_mutated_tensors") if hasattr(triton_kernel_wrap, n))
     analysis = getattr(triton_kernel_wrap, name)
     answers, generations, generating = [], [0], [0.0]
