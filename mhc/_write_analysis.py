@@ -87,14 +87,15 @@ def _call_key(kernel, kwargs, tma_descriptor_metadata):
 
 
 def _cached(analysis):
+    # ``(kernel, kwargs, tma_descriptor_metadata)``; PyTorch before 2.6 passes no TMA metadata
     @functools.wraps(analysis)
-    def analyse(kernel, kwargs, tma_descriptor_metadata, *args, **options):
-        key = None if args or options else _call_key(kernel, kwargs, tma_descriptor_metadata)
+    def analyse(kernel, kwargs, *rest, **options):
+        key = None if len(rest) > 1 or options else _call_key(kernel, kwargs, rest[0] if rest else None)
         if key is None:
-            return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **options)
+            return analysis(kernel, kwargs, *rest, **options)
         if key not in _CACHE:
             # the JITFunction is kept with its answer: the key holds its id
-            _CACHE[key] = (_jit_function(kernel), analysis(kernel, kwargs, tma_descriptor_metadata))
+            _CACHE[key] = (_jit_function(kernel), analysis(kernel, kwargs, *rest))
         return copy.deepcopy(_CACHE[key][1])  # callers get their own copy, as from PyTorch
 
     analyse.mhc_uncached = analysis

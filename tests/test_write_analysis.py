@@ -35,6 +35,12 @@ def _jit(module: str) -> JITFunction:
 OWN, FOREIGN = _jit("mhc.kernels.example"), _jit("someone_else.kernels")
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    """Each test starts from an empty cache: the module's cache is shared by every wrapper."""
+    monkeypatch.setattr(_write_analysis, "_CACHE", {})
+
+
 def _fakes(*dtypes, shape=(8, 4)):
     with FakeTensorMode():
         return [torch.empty(shape, dtype=dtype) for dtype in dtypes]
@@ -116,6 +122,19 @@ def test_cached_analysis_runs_once_per_key_and_hands_out_copies():
     cached(FOREIGN, _kwargs(x, out), {})
     assert len(calls) == 4  # other kernels: PyTorch's analysis every time
     assert cached.mhc_uncached is analysis
+
+
+def test_cached_analysis_takes_the_signature_without_tma_metadata():
+    calls = []
+
+    def analysis(kernel, kwargs):  # PyTorch before 2.6
+        calls.append(kernel)
+        return ["out_ptr"]
+
+    cached = _write_analysis._cached(analysis)
+    x, out = _fakes(torch.float32, torch.float32)
+    assert cached(OWN, _kwargs(x, out)) == cached(OWN, _kwargs(x, out)) == ["out_ptr"]
+    assert len(calls) == 1
 
 
 def _analysis_name():
