@@ -21,8 +21,9 @@ for stage in "$@"; do
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);
       # Inductor's own caches off, so that neither run reuses the other's compiled graphs
       for cache in 1 0; do
-        TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 MHC_WRITE_ANALYSIS_CACHE=$cache $bench --models 1024 --arms plain mhc mhc-chain --modes compiled --batch 2 \
-          --seq 1024 --repeats 1 --out-dir "$out/compile_cache_$cache" 2>&1 | tee "$out/compile_cache_$cache.log"
+        TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 MHC_WRITE_ANALYSIS_CACHE=$cache $bench --models 1024 \
+          --arms plain mhc mhc-chain --modes compiled --batch 2 --seq 1024 --repeats 1 \
+          --out-dir "$out/compile_cache_$cache" 2>&1 | tee "$out/compile_cache_$cache.log"
       done ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
     table-1024) $bench --models 1024 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \

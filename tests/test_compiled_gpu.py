@@ -83,6 +83,7 @@ def test_compiled_step_analyses_each_kernel_once(monkeypatch):
     Inductor's lowering); through ``mhc._write_analysis`` each kernel specialization's TTIR is
     generated once for the whole compiled step, which still matches eager."""
     from torch._higher_order_ops import triton_kernel_wrap
+    from torch._inductor import config
 
     from mhc import _write_analysis
 
@@ -100,7 +101,9 @@ def test_compiled_step_analyses_each_kernel_once(monkeypatch):
     h, w = _inputs(96)
     want = _step(model, model, h, w)
     torch._dynamo.reset()
-    got = _step(torch.compile(model, fullgraph=True), model, h, w)
+    # the earlier tests' graphs are in Inductor's caches: a hit would skip the analyses altogether
+    with config.patch(force_disable_caches=True):
+        got = _step(torch.compile(model, fullgraph=True), model, h, w)
     _assert_step_close(got, want, rtol=1e-4, atol=1e-5)
     assert set(SITE_KERNELS["sinkhorn"]) <= set(generated)
     assert len(generated) == len(_write_analysis._CACHE)  # no specialization analysed twice
