@@ -4,6 +4,7 @@
     python examples/deepseek_v4.py --preset gpu         # a GPU: a small model, bf16
     python examples/deepseek_v4.py --bench-layer        # GPU: the mHC work of one decoder layer
     python examples/deepseek_v4.py --bench-step         # GPU: a training step, with a profile
+    python examples/deepseek_v4.py --bench-decode       # GPU: greedy generation, and where a token's time goes
 
 ``--compare`` (the default) trains the same model (same initial weights, same batches) twice, as
 transformers ships it and patched with :func:`mhc.integrations.transformers.patch_deepseek_v4`,
@@ -245,6 +246,79 @@ def bench_step(args):
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
 
 
+def _host_share(prof_stats, prefixes) -> dict:
+    """Seconds of ``cProfile`` self time per package: the first of ``prefixes`` in a function's
+    file path (``"~"``: functions written in C, the ops among them), else ``"other"``."""
+    share = dict.fromkeys([*prefixes, "other"], 0.0)
+    for (path, _, _), (_, _, tottime, _, _) in prof_stats.stats.items():
+        share[next((k for k in prefixes if k in path), "other")] += tottime
+    return share
+
+
+def bench_decode(args):
+    """Greedy generation with the cache: a small DeepseekV4ForCausalLM unpatched against patched
+    (the same weights), time per generated token at each batch size, arms interleaved over rounds;
+    then where one patched token's time goes: wall, GPU kernel time (the mHC kernels' part), and
+    the host's Python by package."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = getattr(torch, args.dtype)
+    config = v4_config(vocab=32768, **{**vars(args), "hidden": args.step_dim, "layers": args.step_layers})
+    device = torch.device("cuda")
+    models = {"unpatched": build(config, device, dtype).eval()}
+    models["patched"] = patch_deepseek_v4(build(config, device, dtype).eval())
+    new, prompt_len = args.decode_tokens, 32
+
+    def generate(model, prompt):
+        return model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    for batch in args.decode_batch:
+        prompt = torch.randint(1, 32768, (batch, prompt_len), device=device)
+        outs = {label: generate(model, prompt) for label, model in models.items()}  # warm-up, and the tokens
+        same = torch.equal(outs["unpatched"], outs["patched"])
+        times = {label: [] for label in models}
+        for _ in range(args.rounds):
+            for label, model in models.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                generate(model, prompt)
+                torch.cuda.synchronize()
+                times[label].append((time.perf_counter() - t0) / new * 1e3)
+        for label in models:
+            ms = statistics.median(times[label])
+            print(f"  V4 decode ({args.step_layers} layers, hidden {args.step_dim}, batch {batch}, "
+                  f"prompt {prompt_len}, {new} new tokens, {args.dtype}): {label:>9} {ms:7.2f} ms per token "
+                  f"({', '.join(f'{t:.2f}' for t in times[label])}); same tokens: {same}", flush=True)
+
+        model = models["patched"]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(model, prompt)
+            torch.cuda.synchronize()
+        gpu = mhc = 0.0
+        launches = 0
+        for event in prof.key_averages():
+            gpu += event.self_device_time_total
+            launches += event.count if event.self_device_time_total > 0 else 0
+            if any(k in event.key for k in ("coefficient", "stream_mix", "seam", "sinkhorn", "projection")):
+                mhc += event.self_device_time_total
+        host = cProfile.Profile()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host.enable()
+        generate(model, prompt)
+        host.disable()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / new * 1e3
+        share = _host_share(pstats.Stats(host), ("/mhc/", "/transformers/", "/torch/", "/triton/", "~"))
+        host_ms = ", ".join(f"{k.strip('/').replace('~', 'C')} {v / new * 1e3:.2f} ms" for k, v in share.items())
+        print(f"  patched, batch {batch}, per token: GPU kernels {gpu / new / 1e3:.2f} ms in {launches / new:.0f} "
+              f"kernels (mHC kernels {mhc / new / 1e3:.3f} ms); under cProfile {wall:.2f} ms wall, self time "
+              f"{host_ms}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: gpu on CUDA, cpu otherwise")
@@ -257,6 +331,9 @@ def main(argv=None):
     p.add_argument("--step-dim", type=int, default=2048)
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-batch", type=int, default=4)
+    p.add_argument("--bench-decode", action="store_true", help="GPU: greedy generation, unpatched vs patched")
+    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -264,7 +341,7 @@ def main(argv=None):
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.bench_layer or args.bench_step:
+    if args.bench_layer or args.bench_step or args.bench_decode:
         if device.type != "cuda":
             sys.exit("the benchmarks need a CUDA GPU")
         if args.bench_layer:
@@ -272,6 +349,8 @@ def main(argv=None):
         if args.bench_step:
             args.seq = 2048
             bench_step(args)
+        if args.bench_decode:
+            bench_decode(args)
         return
     compare(args, device)
 

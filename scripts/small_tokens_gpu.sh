@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
-# GPT step at small and large token counts, eager / compiled / CUDA graphs, and the host profile.
-#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|table-1024|table-4096
+# GPT step at small and large token counts, eager / compiled / CUDA graphs, the host profile, the
+# graph-captured site and its kernels, the coefficient kernels' small-token sweep, V4 decoding.
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|site|sweep|decode|table-1024|table-4096
 set -uo pipefail
 out=${OUT:-results}
 mkdir -p "$out"
@@ -14,17 +15,22 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${H
 bench="python3 examples/benchmark_mixing.py --tables model --repeats 3"
 for stage in "$@"; do
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_compiled_gpu.py tests/test_capture_gpu.py \
-             tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_compiled_gpu.py tests/test_export.py \
+             tests/test_capture_gpu.py tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
     gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
              --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);
       # Inductor's own caches off, so that neither run reuses the other's compiled graphs
+      # (without it, plain and mhc only: mhc took 98-122 s before)
       for cache in 1 0; do
+        arms="plain mhc mhc-chain"; [ $cache = 0 ] && arms="plain mhc"
         TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 MHC_WRITE_ANALYSIS_CACHE=$cache $bench --models 1024 \
-          --arms plain mhc mhc-chain --modes compiled --batch 2 --seq 1024 --repeats 1 \
+          --arms $arms --modes compiled --batch 2 --seq 1024 --repeats 1 \
           --out-dir "$out/compile_cache_$cache" 2>&1 | tee "$out/compile_cache_$cache.log"
       done ;;
+    site) python3 scripts/site_kernels.py --out "$out/site_kernels.txt" 2>&1 | tee "$out/site.log" ;;
+    sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
+    decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
     table-1024) $bench --models 1024 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
              --batch 1 2 4 8 16 --out-dir "$out/table_1024" 2>&1 | tee "$out/table_1024.log" ;;

@@ -1,7 +1,8 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
-                                  [coefficients] [coefficients-split] [mix-bwd] [n=8]
+                                  [coefficients] [coefficients-split] [small-tokens] [small-tokens-epilogues]
+                                  [mix-bwd] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -15,6 +16,10 @@
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
   (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
+- ``small-tokens``: the coefficient forward (one pass over token tiles of 64, 32 and 16, and the
+  split over ``K``) and backward (programs per SM of the projection backward) at 1k-8k tokens,
+  d = 1024 and 4096, timed in CUDA graphs (no host time); ``small-tokens-epilogues``: the
+  forward's finishing kernel and the coefficient-gradient kernel over tiles there;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens.
 
 A whole training step's GPU time by kernel: ``scripts/profile_model.py``.
@@ -316,7 +321,7 @@ def sweep_coefficients():
                    # 128 tokens per program: half the reads of phi from L2 (10 MiB per program at n = 8)
                    (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2)]
     original = mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config
-    mhc_coefficients.coefficients_split_config = lambda n, d: None  # the one-pass kernel
+    mhc_coefficients.coefficients_split_config = lambda n, d, tokens, sms: None  # the one-pass kernel
     for dim in (4096, 1024):
         x, phi, alpha, bias = _inputs(dim, STREAMS, 16384)
         for cfg in configs:
@@ -339,8 +344,8 @@ def sweep_coefficients_split():
             ref = None
             for cfg in configs:
                 for fin in finishes if cfg == (128, 64, 8, 3, 4) else finishes[:1]:
-                    mhc_coefficients.coefficients_split_config = lambda n, d, cfg=cfg: cfg
-                    mhc_coefficients.coefficients_finish_config = lambda n, fin=fin: fin
+                    mhc_coefficients.coefficients_split_config = lambda n, d, tokens, sms, cfg=cfg: cfg
+                    mhc_coefficients.coefficients_finish_config = lambda n, few, fin=fin: fin
                     _uncached()
                     call = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
                     out = call()
@@ -351,6 +356,80 @@ def sweep_coefficients_split():
                     _time(f"coefficients fwd d={dim} T={T} {cfg} finish {fin} splits {splits} diff {err:.1e}",
                           call, 2 * x.numel() * 2)
     mhc_coefficients.coefficients_split_config, mhc_coefficients.coefficients_finish_config = original
+    _uncached()
+
+
+def _time_graph(label, call, nbytes):
+    """``_time`` with the calls replayed from a CUDA graph: the kernels' time without the host's."""
+    from triton.testing import do_bench_cudagraph
+
+    call()
+    ms = do_bench_cudagraph(call, rep=50, return_mode="median")
+    print(f"  {label}: {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s", flush=True)
+    return ms
+
+
+def sweep_small_tokens():
+    """Where tokens are few, the coefficient forward's one-pass grid (a program per 64 tokens) is
+    smaller than the GPU: token tiles of 64, 32, 16 against the split over ``K``; and the
+    projection backward's token splits (its partial ``dphi`` grows with them) at 2-12 programs
+    per SM."""
+    one_pass = [(64, 128, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3)]
+    splits = [(128, 64, 8, 3, 4), (64, 64, 4, 3, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 8), (64, 128, 4, 3, 4)]
+    originals = (mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config,
+                 mhc_coefficients.projection_bwd_config)
+    for dim in (1024, 4096):
+        for T in (1024, 2048, 4096, 8192):
+            x, phi, alpha, bias = _inputs(dim, STREAMS, T)
+            fwd = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+            for cfg in one_pass + splits:
+                split = cfg if len(cfg) == 5 else None
+                mhc_coefficients.coefficients_split_config = lambda n, d, tokens, sms, split=split: split
+                mhc_coefficients.coefficients_fwd_config = lambda n, cfg=cfg: cfg[:4]
+                _uncached()
+                if split is None:
+                    detail = f"one pass, {mhc_coefficients.cdiv(T, cfg[0])} programs"
+                else:
+                    k_split = mhc_coefficients.k_splits(T, STREAMS * dim, cfg[0], cfg[1], cfg[4], x.device)[0]
+                    detail = f"split, {mhc_coefficients.cdiv(T, cfg[0])} x {k_split} programs"
+                _time_graph(f"fwd d={dim} T={T} {cfg} {detail}", fwd, 2 * x.numel() * 2)
+            mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config = originals[:2]
+            call, nbytes, _ = _coefficient_backward_call(dim, STREAMS, T)
+            for waves in (2, 3, 6, 12):
+                mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, w=waves: (
+                    *originals[2](n, d, dtype or torch.bfloat16)[:4], w, originals[2](n, d, dtype or torch.bfloat16)[5])
+                _uncached()
+                _time_graph(f"bwd d={dim} T={T} waves {waves}", call, nbytes)
+            mhc_coefficients.projection_bwd_config = originals[2]
+    _uncached()
+
+
+def sweep_small_tokens_epilogues():
+    """The launches around the projections where tokens are few: the forward's finishing kernel
+    (after the split over ``K``) over token tiles, and the coefficient-gradient kernel over tiles
+    and warps, at 1k-4k tokens and at 16k (no loss there)."""
+    finishes = [(32, 128, 4), (16, 128, 4), (16, 256, 4), (16, 64, 4), (8, 128, 4), (16, 128, 2)]
+    grads = [(8, 128, 4), (4, 128, 4), (4, 256, 4), (16, 128, 4), (8, 256, 4), (8, 128, 8), (16, 256, 8), (4, 128, 2)]
+    originals = mhc_coefficients.coefficients_finish_config, mhc_coefficients.coefficient_grad_config
+    for dim in (1024, 4096):
+        for T in (1024, 2048, 4096, 16384):
+            x, phi, alpha, bias = _inputs(dim, STREAMS, T)
+            fwd = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+            split = mhc_coefficients.coefficients_split_config(STREAMS, dim, T, mhc_coefficients.sm_count(x.device))
+            for cfg in finishes if split is not None else []:
+                mhc_coefficients.coefficients_finish_config = lambda n, few, cfg=cfg: cfg
+                _uncached()
+                _time_graph(f"fwd d={dim} T={T} split {split} finish {cfg}", fwd, 2 * x.numel() * 2)
+            mhc_coefficients.coefficients_finish_config = originals[0]
+            _, p, r, h_pre, h_post, z_res, _ = kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+            g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+            grad = lambda: mhc_coefficients.coefficient_grad(
+                x, alpha, p, r, h_pre, h_post, None, h_post, z_res, g_in, 0.0)
+            for cfg in grads:
+                mhc_coefficients.coefficient_grad_config = lambda n, d, cfg=cfg: cfg
+                _uncached()
+                _time_graph(f"coefficient grad d={dim} T={T} {cfg}", grad, x.numel() * 2 + g_in.numel() * 2)
+            mhc_coefficients.coefficient_grad_config = originals[1]
     _uncached()
 
 
@@ -386,7 +465,8 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
-                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split)):
+                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
+                     ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()
