@@ -49,7 +49,10 @@ def _assert_step_close(got, want, rtol, atol):
     torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
     torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=atol)
     for g, e in zip(got[2], want[2]):
-        torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+        # a site's gates (alpha, 3 values): each gradient sums a term of every token and column and
+        # cancels to near 0, so the order of that sum (per-program partials added by eager's and
+        # by the compiled graph's reductions) moves it by more than the other gradients' rounding
+        torch.testing.assert_close(g, e, rtol=rtol, atol=10 * atol if e.shape == (3,) else atol)
 
 
 def _inputs(tokens, dtype=torch.float32):

@@ -91,14 +91,14 @@ def test_sixteen_streams_and_implicit_backward(constraint, dynamic, backward):
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=5e-5, atol=5e-5)
 
 
-SPLIT_TILES = mhc_coefficients.coefficients_split_config(8, 64)  # the launcher's at n = 8
+SPLIT_TILES = mhc_coefficients.coefficients_split_config(8, 64, 10**6, 132)  # the launcher's at n = 8
 
 
 def _forced_split(monkeypatch, split: bool):
     """Run the coefficient forward split over K (with the tiles of n = 8) or in one pass, whatever
     n and d."""
     tiles = SPLIT_TILES
-    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d: tiles if split else None)
+    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, tokens, sms: tiles if split else None)
     mhc_coefficients._split_meta.cache_clear()
 
 

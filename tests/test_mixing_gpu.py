@@ -20,6 +20,7 @@ def _block():
 
 
 def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()  # no compiled frames or recompile counts from earlier tests
     hc, x = _block()
     w = torch.randn_like(x)
     compiled = torch.compile(hc, fullgraph=True)

@@ -441,28 +441,51 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
         return 64, 64, 4, 4
     cols = _columns(n)
     block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
-    return (64 if n <= 4 else 16), block_k, 4, 3
+    return (SMALL_TILE if n <= 4 else 16), block_k, 4, 3
 
 
-def coefficients_split_config(n: int, d: int) -> tuple[int, int, int, int, int] | None:
+def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[int, int, int, int, int] | None:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages, waves)`` of the forward split over ``K``
     (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
 
     H100, bf16, 16k / 8k tokens (``python scripts/tune_mixing.py coefficients-split [n=8]``,
     docs/benchmarks/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
     1.51 / 1.09 ms to 1.05 / 0.54 ms and d = 1024 from 0.39 / 0.28 to 0.30 / 0.28; at n = 4,
-    d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13: there
-    n <= 4 keeps one pass."""
+    d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13 at
+    128-token tiles.
+
+    Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``): the
+    one-pass grid leaves SMs idle, and the split over 64-token tiles fills them
+    (``python scripts/tune_mixing.py small-tokens``, docs/benchmarks/small_tokens_sweep_h100.log):
+    d = 1024 at 1k / 2k / 4k / 8k tokens 65 / 62 / 66 / 81 us -> 27 / 27 / 41 / 67 us; d = 4096
+    264 / 283 / 289 / 324 us -> 72 / 94 / 142 / 249 us. A symbolic token count (a graph compiled
+    for any count) takes the rule for many tokens: no guard on the count.
+    """
+    if few_tokens(n, d, tokens, sms):
+        return SMALL_TILE, 64, 4, 3, 4
     if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
         return 128, 64, 8, 3, 4
     return None
 
 
-def coefficients_finish_config(n: int) -> tuple[int, int, int]:
+SMALL_TILE = 64  # tokens per program of the one-pass forward at n <= 4, and of the small-token split
+
+
+def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
+    """Whether the forward at n <= 4 (``n * d >= 1024``) takes the small-token split: at most one
+    one-pass program (``SMALL_TILE`` tokens) per SM. False for a symbolic count."""
+    return n <= 4 and n * d >= 1024 and isinstance(tokens, int) and cdiv(tokens, SMALL_TILE) <= sms
+
+
+def coefficients_finish_config(n: int, few: bool) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles, twice
     the programs of 64-token ones (n = 8, d = 1024, 8k tokens: 0.28 against 0.33 ms for the
-    forward; within 3% of each other in the sweep's other cases)."""
-    return 32, 128, 4
+    forward; within 3% of each other in the sweep's other cases). After the small-token split
+    (``few``), 8-token tiles: four times the programs (H100, the forward at d = 1024, 1k / 2k / 4k
+    tokens: 27.3 / 26.6 / 40.8 -> 19.2 / 22.9 / 39.1 us; d = 4096 71.8 / 93.8 / 141.8 -> 66.9 /
+    93.1 / 142.7 us; but at 16k tokens 461 -> 477 us, ``python scripts/tune_mixing.py
+    small-tokens-epilogues``)."""
+    return (8, 128, 4) if few else (32, 128, 4)
 
 
 def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> tuple[int, int]:
@@ -516,27 +539,34 @@ def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
 
 
 @functools.cache
-def _split_meta(n: int, d: int, iters: int, has_eps: bool, split_bf16: bool):
-    """The launches of a forward split over ``K``, or ``None`` where it runs in one pass."""
-    config = coefficients_split_config(n, d)
-    if config is None:
-        return None
+def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, split_bf16: bool):
+    """The launches of a forward split over ``K`` with tiles ``config`` (of
+    ``coefficients_split_config``); ``few``: the small-token split (``few_tokens``)."""
     block_t, block_k, num_warps, num_stages, waves = config
     cols = _columns(n)
     partial = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
                    num_stages=num_stages)
-    finish_t, finish_d, finish_warps = coefficients_finish_config(n)
+    finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few)
     finish = dict(**cols, NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
                   BLOCK_D=finish_d, num_warps=finish_warps)
     width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
-    return (block_t, block_k, waves, width, partial, ("projection_partial", n, d, split_bf16),
-            finish_t, finish, ("coefficients_finish", n, iters, has_eps))
+    return (block_t, block_k, waves, width, partial, ("projection_partial", config, n, split_bf16),
+            finish_t, finish, ("coefficients_finish", finish_config, n, iters, has_eps))
+
+
+def coefficient_grad_config(n: int, d: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``: 4-token tiles, twice the
+    programs of 8-token ones and faster at every size measured (H100, n = 4, 1k / 2k / 4k / 16k
+    tokens: d = 1024 8.0 / 8.3 / 18.8 / 64.8 -> 5.3 / 6.1 / 14.2 / 64.4 us; d = 4096 49.4 / 55.9 /
+    72.2 / 241 -> 24.0 / 35.6 / 61.0 / 228 us; ``python scripts/tune_mixing.py
+    small-tokens-epilogues``)."""
+    return 4, min(128, next_pow2(d)), 4
 
 
 @functools.cache
 def _grad_meta(n: int, d: int, has_dh_pre: bool):
-    block_t, block_d = 8, min(128, next_pow2(d))
-    meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    block_t, block_d, num_warps = coefficient_grad_config(n, d)
+    meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
     return block_t, meta, ("coefficient_grad", n, d, has_dh_pre)
 
 
@@ -581,12 +611,14 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
         return x_in, p, r, h_pre, h_post, z_res, h_res
     phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
     outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
-    split = _split_meta(n, d, iters, hc_eps > 0, _split_bf16(x))
-    if split is None:
+    sms = sm_count(x.device)
+    config = coefficients_split_config(n, d, T, sms)
+    if config is None:
         block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
         launch(coefficients_fwd_kernel, (cdiv(T, block_t),), (x, phi, alpha, bias, *outputs, T, d, eps, hc_eps),
                meta, key)
         return outputs
+    split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, hc_eps > 0, _split_bf16(x))
     block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
     splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
     partial = torch.empty((splits, T, width), dtype=torch.float32, device=x.device)
@@ -661,8 +693,15 @@ def coefficients_bwd(
 
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device) -> int:
-    """Token splits of a ``(chunks, splits)`` grid: about ``waves`` programs per SM."""
-    return max(1, min(cdiv(T, block_t), round(waves * sm_count(device) / chunks)))
+    """Token splits of a ``(chunks, splits)`` grid: about ``waves`` programs per SM, and at least
+    ``MIN_SPLIT_BLOCKS`` token blocks per split. Each split writes a partial ``dphi`` (``K * M``
+    fp32) that is read again to be added: where tokens are few, more splits than that move more
+    bytes than they save (H100, d = 1024, n = 4, 1k tokens: coefficient backward 46 us with 12
+    splits of 1-2 blocks, 38 us with 4; ``python scripts/tune_mixing.py small-tokens``)."""
+    return max(1, min(cdiv(T, block_t) // MIN_SPLIT_BLOCKS, round(waves * sm_count(device) / chunks)))
+
+
+MIN_SPLIT_BLOCKS = 4
 
 
 @functools.cache

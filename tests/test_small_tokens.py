@@ -1,0 +1,130 @@
+"""The coefficient kernels' launch choices where tokens are few (docs/small_tokens.md): the forward
+split over ``K`` when a program per 64 tokens would leave SMs idle, and the backward's token
+splits, at least 4 token blocks each. Both against the unsplit kernels at the boundaries of the
+choices, forward and backward.
+
+CPU: Triton's interpreter at a small width, with an H100's SM count given to the launchers (the
+CPU's stand-in count is 4); GPU: the model width d = 1024 and the device's own SM count.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from tests.conftest import HAS_CUDA, KERNEL_DEVICE
+from mhc.kernels import mhc_coefficients
+
+DEVICE = KERNEL_DEVICE
+N = 4
+DIM = 1024 if HAS_CUDA else 40
+SMS = 132  # an H100's
+TILE = mhc_coefficients.SMALL_TILE
+SMALL_SPLIT = mhc_coefficients.coefficients_split_config(4, 1024, 1, SMS)  # the tiles where tokens are few
+LARGE_SPLIT = mhc_coefficients.coefficients_split_config(8, 64, 10**6, SMS)  # n = 8 / large K
+
+
+@pytest.fixture
+def h100_sms(monkeypatch):
+    """On the CPU, launch grids sized for an H100's SMs; on a GPU, the device's own."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
+    yield
+    mhc_coefficients._split_meta.cache_clear()
+
+
+def _inputs(tokens, seed, hc_eps=0.0):
+    g = torch.Generator().manual_seed(seed)
+    K, M = N * DIM, 2 * N + N * N
+    x = torch.randn(tokens, N, DIM, generator=g).to(DEVICE)
+    phi = (torch.randn(K, M, generator=g) / K**0.5).to(DEVICE)
+    alpha, bias = (torch.rand(3, generator=g) + 0.5).to(DEVICE), (0.1 * torch.randn(M, generator=g)).to(DEVICE)
+    return x, phi, alpha, bias
+
+
+@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16),
+       d=st.sampled_from([16, 128, 255, 256, 1024, 4095, 4096, 7168]))
+def test_the_split_is_chosen_where_one_pass_programs_are_fewer_than_sms(tokens, sms, n, d):
+    config = mhc_coefficients.coefficients_split_config(n, d, tokens, sms)
+    few = -(-tokens // TILE) <= sms
+    assert mhc_coefficients.few_tokens(n, d, tokens, sms) == (n <= 4 and n * d >= 1024 and few)
+    if n <= 4 and n * d >= 1024 and few:
+        assert config == SMALL_SPLIT and config[0] == TILE
+    elif 4 < n <= 8 or (n <= 4 and n * d >= 16384):
+        assert config == LARGE_SPLIT
+    else:
+        assert config is None
+
+
+@pytest.mark.parametrize("sms", [1, 132])
+def test_the_split_rule_boundary(sms):
+    last_few = TILE * sms
+    assert mhc_coefficients.coefficients_split_config(4, 1024, last_few, sms) == SMALL_SPLIT
+    assert mhc_coefficients.coefficients_split_config(4, 1024, last_few + 1, sms) is None
+    assert mhc_coefficients.coefficients_split_config(4, 4096, last_few + 1, sms) == LARGE_SPLIT
+
+
+def test_a_symbolic_token_count_takes_the_rule_for_many_tokens():
+    """A graph compiled for any token count must not guard on it: no small-token split there."""
+    tokens = ShapeEnv().create_unbacked_symint()
+    assert mhc_coefficients.coefficients_split_config(4, 1024, tokens, SMS) is None
+    assert mhc_coefficients.coefficients_split_config(4, 4096, tokens, SMS) == LARGE_SPLIT
+
+
+@given(tokens=st.integers(1, 10**6), block_t=st.sampled_from([16, 64, 128]), waves=st.integers(1, 12),
+       chunks=st.integers(1, 2048), sms=st.integers(1, 200))
+def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, sms, monkeypatch):
+    monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: sms)
+    blocks = -(-tokens // block_t)
+    splits = mhc_coefficients.token_splits(tokens, block_t, waves, chunks, torch.device(DEVICE))
+    assert 1 <= splits <= blocks
+    assert splits == 1 or blocks >= mhc_coefficients.MIN_SPLIT_BLOCKS * splits
+    assert splits <= max(1, round(waves * sms / chunks))
+
+
+FORWARD = ("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res")
+BOUNDARY_TOKENS = [1, 63, 64, 65, 1024] + ([4096] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("tokens", BOUNDARY_TOKENS)
+@pytest.mark.parametrize("hc_eps", [0.0, 1e-6])
+def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_sms, monkeypatch, nan_poison):
+    x, phi, alpha, bias = _inputs(tokens, seed=tokens)
+    if HAS_CUDA:  # the launcher's own choice at the model width
+        assert mhc_coefficients.coefficients_split_config(N, DIM, tokens, mhc_coefficients.sm_count(x.device)) \
+            == SMALL_SPLIT
+    outputs = {}
+    monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)  # the split's small-token finish
+    for split in (None, SMALL_SPLIT):
+        monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
+        outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
+    block_t, block_k, _, _, waves = SMALL_SPLIT
+    splits, _ = mhc_coefficients.k_splits(tokens, N * DIM, block_t, block_k, waves, x.device)
+    assert splits > 1  # partial projections of several programs are added
+    for name, got, want in zip(FORWARD, outputs[SMALL_SPLIT], outputs[None]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 255, 256, 257, 1024] + ([4096] if HAS_CUDA else []))
+def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sms, monkeypatch, nan_poison):
+    x, phi, alpha, bias = _inputs(tokens, seed=tokens + 1)
+    _, p, r, h_pre, h_post, z_res, _ = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+    g = torch.Generator().manual_seed(tokens)
+    grads = [torch.randn(t.shape, generator=g).to(DEVICE) for t in (h_post, z_res, x[:, 0], x)]
+
+    def backward():
+        return mhc_coefficients.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, *grads)
+
+    chosen = backward()
+    token_splits = mhc_coefficients.token_splits
+    monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: 1)
+    single = backward()
+    block_t, block_d, _, _, waves, _ = mhc_coefficients.projection_bwd_config(N, DIM)
+    splits = token_splits(tokens, block_t, waves, N * -(-DIM // block_d), x.device)
+    if tokens >= 1024:
+        assert splits > 1  # the partial dphi of several splits are added
+    for name, got, want in zip(("dx", "dphi", "dbias_alpha"), chosen, single):
+        # sums over the tokens in another order: rounding relative to the largest of them
+        atol = 1e-6 * want.abs().max().item() * max(1, tokens) ** 0.5
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
