@@ -15,8 +15,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${H
 bench="python3 examples/benchmark_mixing.py --tables model --repeats 3"
 for stage in "$@"; do
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_compiled_gpu.py tests/test_export.py \
-             tests/test_capture_gpu.py tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_small_tokens.py tests/test_compiled_gpu.py \
+             tests/test_export.py tests/test_capture_gpu.py tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
     gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
              --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);

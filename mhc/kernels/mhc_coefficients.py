@@ -16,12 +16,14 @@ projection first and a block of tokens (``BLOCK_T * N * D`` values) does not fit
 sizes, so ``x`` is read twice; the second pass walks the chunks backwards, so the most recently
 read come from L2.
 
-At n = 5..8, and at n <= 4 where ``n * d >= 16384``, the projection is split over ``K``: programs
+At n = 5..8, at n <= 4 where ``n * d >= 16384``, and at n <= 4 where tokens are too few for a
+program of 64 tokens per SM (``few_tokens``), the projection is split over ``K``: programs
 over (tile of 128 tokens, range of columns) write partial projections and sums of squares
 (``projection_partial_kernel``), and ``coefficients_finish_kernel`` adds them in a fixed order,
 then runs the same epilogue, pre-mix and Sinkhorn core. Every tile of tokens reads all of ``phi``
 (10 MiB at d = 4096, n = 8) from L2: wider tiles read it fewer times, and the split keeps the SMs
-busy with fewer of them.
+busy with fewer of them. Where tokens are few the tiles are 64 tokens wide and the finishing
+kernel's 8 (docs/small_tokens.md).
 
 The backward is split in two passes because the input gradient of the projection needs every
 coefficient's gradient first:
