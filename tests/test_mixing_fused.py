@@ -98,7 +98,8 @@ def _forced_split(monkeypatch, split: bool):
     """Run the coefficient forward split over K (with the tiles of n = 8) or in one pass, whatever
     n and d."""
     tiles = SPLIT_TILES
-    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, tokens, sms: tiles if split else None)
+    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config",
+                        lambda n, d, tokens, sms: tiles if split else None)
     mhc_coefficients._split_meta.cache_clear()
 
 

@@ -34,7 +34,7 @@ def h100_sms(monkeypatch):
     mhc_coefficients._split_meta.cache_clear()
 
 
-def _inputs(tokens, seed, hc_eps=0.0):
+def _inputs(tokens, seed):
     g = torch.Generator().manual_seed(seed)
     K, M = N * DIM, 2 * N + N * N
     x = torch.randn(tokens, N, DIM, generator=g).to(DEVICE)
