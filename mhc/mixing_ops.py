@@ -91,8 +91,8 @@ def _coefficients_fwd_op(
 
 def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
                            hc_eps):
-    f32 = dict(dtype=torch.float32)  # the parameters' gradients are fp32 whatever their dtype
-    return torch.empty_like(x), phi.new_empty(phi.shape, **f32), x.new_empty((p.shape[1] + 3,), **f32)
+    # the parameters' gradients, packed [vec(dphi) | dbias | dalpha], are fp32 whatever their dtype
+    return torch.empty_like(x), x.new_empty((phi.numel() + p.shape[1] + 3,), dtype=torch.float32)
 
 
 @kernel_op("mhc::mhc_coefficients_bwd", _coefficients_bwd_fake)
@@ -101,8 +101,8 @@ def _coefficients_bwd_op(
     h_pre: torch.Tensor, h_post: torch.Tensor,
     dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
     grad_x_acc: torch.Tensor | None, hc_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().coefficients_bwd(
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().mhc_coefficients.coefficients_bwd_packed(
         x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
     )
 
@@ -141,7 +141,8 @@ def _launchers():
         k = _kernels()  # the launches without the public launchers' argument checks (host time)
         _EAGER = SimpleNamespace(
             stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked, stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
-            coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked, coefficients_bwd=k.coefficients_bwd,
+            coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked,
+            coefficients_bwd=k.mhc_coefficients.coefficients_bwd_packed,
             stream_recompute=lambda x, h_res, y, h_post, after: k.stream_mix.stream_mix_fwd_unchecked(
                 x, h_res, y, h_post),
         )
@@ -285,7 +286,8 @@ def _save_coefficients(ctx, x, params, outputs, settings, at, linked, link, reci
     sinkhorn_saved = z_res if settings[1] == "exact" else h_res
     ctx.set_materialize_grads(False)
     ctx.settings = settings
-    ctx.bias_alpha_split = [params[2].numel(), 3]  # the kernels' packed [dbias | dalpha]
+    ctx.phi_shape = params[0].shape
+    ctx.packed_split = [params[0].numel(), params[2].numel(), 3]  # the kernels' [vec(dphi) | dbias | dalpha]
     return _save_with_streams(ctx, x, at, linked, link, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved,
                               *extra)
 
@@ -304,11 +306,11 @@ def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, g
     return dz_res, grad_x_in, grad_h_post
 
 
-def _parameter_grads(ctx, dphi, dbias_alpha):
-    """The gradients of ``(phi, alpha, bias)`` from the kernels' ``dphi`` and packed
-    ``[dbias | dalpha]`` (fp32; autograd casts them to the parameters' dtype)."""
-    dbias, dalpha = dbias_alpha.split_with_sizes(ctx.bias_alpha_split)
-    return dphi, dalpha, dbias
+def _parameter_grads(ctx, packed):
+    """The gradients of ``(phi, alpha, bias)`` from the kernels' packed ``[vec(dphi) | dbias |
+    dalpha]`` (fp32; autograd casts them to the parameters' dtype)."""
+    dphi, dbias, dalpha = packed.split_with_sizes(ctx.packed_split)
+    return dphi.view(ctx.phi_shape), dalpha, dbias
 
 
 class MHCPreMixFunction(torch.autograd.Function):
@@ -336,11 +338,11 @@ class MHCPreMixFunction(torch.autograd.Function):
         ctx.at = None
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post,
                                                             grad_h_res)
-        dx, dphi, dbias_alpha = _launchers().coefficients_bwd(
+        dx, packed = _launchers().coefficients_bwd(
             x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None, *_grads_after(ctx, anchor))
+        return (dx, *_parameter_grads(ctx, packed), None, None, None, None, *_grads_after(ctx, anchor))
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -392,13 +394,13 @@ class MHCSeamFunction(torch.autograd.Function):
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x_next, h_post, sinkhorn_saved, grad_x_in,
                                                             grad_h_post, grad_h_res)
         run = _launchers()
-        dx_next, dphi, dbias_alpha = run.coefficients_bwd(
+        dx_next, packed = run.coefficients_bwd(
             x_next, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
         after = _grads_after(ctx, anchor)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, dphi, dbias_alpha), None, None, None, None,
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, packed), None, None, None, None,
                 *after[:3], None, None, *after[3:])
 
 

@@ -433,6 +433,28 @@ def sweep_small_tokens_epilogues():
     _uncached()
 
 
+def sweep_small_tokens_projection():
+    """The projection backward where tokens are few: token and channel tiles, warps, stages,
+    programs per SM and the fewest token blocks per split, the whole coefficient backward timed
+    from CUDA-graph replays at 1k-4k tokens and at 16k (no loss there)."""
+    # (BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg, MIN_SPLIT_BLOCKS)
+    configs = [(64, 64, 4, 3, 6, 168, 4), (64, 64, 4, 3, 3, 168, 4), (64, 64, 4, 3, 6, 168, 2),
+               (32, 64, 4, 3, 6, 168, 4), (32, 64, 4, 3, 12, 168, 4), (64, 32, 4, 3, 6, 168, 4),
+               (32, 32, 4, 3, 12, None, 4), (64, 64, 4, 2, 6, 168, 4), (64, 128, 8, 3, 6, None, 4),
+               (32, 128, 4, 3, 6, None, 4), (128, 64, 8, 3, 6, None, 4)]
+    original, min_blocks = mhc_coefficients.projection_bwd_config, mhc_coefficients.MIN_SPLIT_BLOCKS
+    for dim in (1024, 4096):
+        for T in (1024, 2048, 4096, 16384):
+            call, nbytes, _ = _coefficient_backward_call(dim, STREAMS, T)
+            for cfg in configs:
+                mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg[:6]
+                mhc_coefficients.MIN_SPLIT_BLOCKS = cfg[6]
+                _uncached()
+                _time_graph(f"bwd d={dim} T={T} {cfg}", call, nbytes)
+    mhc_coefficients.projection_bwd_config, mhc_coefficients.MIN_SPLIT_BLOCKS = original, min_blocks
+    _uncached()
+
+
 def sweep_mix_bwd():
     """Post + residual backward (N_OUT = n) at d = 4096, n = 6 and 8: unrolled stream tiles against
     the wide 3-D path (streams padded to 16 for its batched dot), over tile shapes."""
@@ -466,7 +488,8 @@ if __name__ == "__main__":
     for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
-                     ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues)):
+                     ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues),
+                     ("small-tokens-projection", sweep_small_tokens_projection)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

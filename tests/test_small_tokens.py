@@ -83,6 +83,39 @@ def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, 
     assert splits <= max(1, round(waves * sms / chunks))
 
 
+@given(tokens=st.integers(1, 10**6), block_t=st.sampled_from([16, 64, 128]), waves=st.integers(1, 12),
+       chunks=st.integers(1, 2048), sms=st.integers(1, 200), resident=st.integers(1, 4))
+def test_token_splits_fill_whole_rounds_of_resident_programs(tokens, block_t, waves, chunks, sms, resident,
+                                                              monkeypatch):
+    monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: sms)
+    device = torch.device(DEVICE)
+    blocks = -(-tokens // block_t)
+    most = mhc_coefficients.token_splits(tokens, block_t, waves, chunks, device)
+    splits = mhc_coefficients.token_splits(tokens, block_t, waves, chunks, device, resident)
+
+    def finish(s):  # rounds of resident programs times the token blocks of a split
+        return -(-chunks * s // (resident * sms)) * -(-blocks // s)
+
+    assert 1 <= splits <= most
+    assert all(finish(splits) < finish(s) or (finish(splits) == finish(s) and splits <= s)
+               for s in range(1, most + 1))
+
+
+@pytest.mark.parametrize("dim, tokens, splits", [
+    (1024, 1024, 4), (1024, 2048, 6), (1024, 4096, 6), (1024, 16384, 6),
+    (4096, 1024, 3), (4096, 2048, 3), (4096, 4096, 3), (4096, 16384, 3),
+])
+def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
+    """The choices measured best on an H100 (n = 4: 3 resident programs per SM;
+    ``tune_mixing.py small-tokens-projection``, docs/small_tokens.md)."""
+    monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
+    block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
+        N, dim, torch.bfloat16, True, True, "tf32", "both")
+    assert resident == 3
+    chunks = N * -(-dim // block_d)
+    assert mhc_coefficients.token_splits(tokens, block_t, waves, chunks, torch.device(DEVICE), resident) == splits
+
+
 FORWARD = ("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res")
 BOUNDARY_TOKENS = [1, 63, 64, 65, 1024] + ([4096] if HAS_CUDA else [])
 
@@ -123,8 +156,9 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     token_splits = mhc_coefficients.token_splits
     monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: 1)
     single = backward()
-    block_t, block_d, _, _, waves, _ = mhc_coefficients.projection_bwd_config(N, DIM)
-    splits = token_splits(tokens, block_t, waves, N * -(-DIM // block_d), x.device)
+    block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
+        N, DIM, x.dtype, False, False, "tf32", "both")
+    splits = token_splits(tokens, block_t, waves, N * -(-DIM // block_d), x.device, resident)
     if tokens >= 1024:
         assert splits > 1  # the partial dphi of several splits are added
     for name, got, want in zip(("dx", "dphi", "dbias_alpha"), chosen, single):

@@ -342,17 +342,20 @@ def coefficient_grad_kernel(
     tl.store(p_part + M + 2, tl.sum(s_res, axis=0))
 
 
-@triton.jit(do_not_specialize=["T", "SPLITS"])
+@triton.jit(do_not_specialize=["T", "SPLITS", "BIAS_ROWS"])
 def projection_bwd_kernel(
     # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
-    # dx_in [T, D]; dx_acc [T, N, D] (added to dx)
-    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr,
-    # outputs: dx [T, N, D] (x's dtype), dphi_partial [SPLITS, N * D, M] fp32
-    dx_ptr, dphi_ptr,
-    T, D, SPLITS,
+    # dx_in [T, D]; dx_acc [T, N, D] (added to dx); partial_bias [BIAS_ROWS, M + 3] (the
+    # coefficient-gradient kernel's per-program sums)
+    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr, partial_bias_ptr,
+    # outputs: dx [T, N, D] (x's dtype); partial [SPLITS, N * D * M + M + 3] fp32, per split its
+    # dphi [N * D, M] then its share of the sums of partial_bias, so that one sum over the splits
+    # gives both
+    dx_ptr, partial_ptr,
+    T, D, SPLITS, BIAS_ROWS,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
     SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DX: tl.constexpr, DPHI: tl.constexpr,
+    DX: tl.constexpr, DPHI: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
 ):
     # DX / DPHI: which of the two results this launch computes (both, or one per launch where
     # holding both accumulators at once spills: see projection_passes)
@@ -406,9 +409,19 @@ def projection_bwd_kernel(
             dphi_res += _dot_fp32(b_xt, b_g_res, SPLIT_BF16)
 
     if DPHI:
-        p_out = dphi_ptr + i_s.to(tl.int64) * (N * D) * M + o_k[:, None] * M
+        p_split = partial_ptr + i_s.to(tl.int64) * (N * D * M + M + 3)
+        p_out = p_split + o_k[:, None] * M
         tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
         tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
+        if tl.program_id(0) == 0:
+            # this split's share of the bias and gate sums: rows i_s, i_s + SPLITS, ... in tiles
+            o_b = tl.arange(0, NB)
+            acc = tl.zeros([BLOCK_R, NB], dtype=tl.float32)
+            for i_r in range(i_s * BLOCK_R, BIAS_ROWS, SPLITS * BLOCK_R):
+                o_r = i_r + tl.arange(0, BLOCK_R)
+                m_b = (o_r < BIAS_ROWS)[:, None] & (o_b < M + 3)[None, :]
+                acc += tl.load(partial_bias_ptr + o_r[:, None] * (M + 3) + o_b[None, :], mask=m_b, other=0.0)
+            tl.store(p_split + N * D * M + o_b, tl.sum(acc, axis=0), mask=o_b < M + 3)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -501,7 +514,7 @@ def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> 
 
 def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
     """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
-    token splits chosen so that there are about ``waves`` programs per SM; ``maxnreg`` caps the
+    token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
     registers per thread (``None``: the compiler's choice)."""
     if n <= 4:
         # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
@@ -576,10 +589,14 @@ def _grad_meta(n: int, d: int, has_dh_pre: bool):
 def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, precision: str, part: str):
     config = dphi_bwd_config if part == "dphi" else projection_bwd_config
     block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
+    # programs an SM holds at once where the registers per thread are capped (64K registers per SM)
+    resident = None if maxnreg is None else 65536 // (maxnreg * 32 * num_warps)
     meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
-                BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", num_warps=num_warps,
+                BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", BLOCK_R=BIAS_TILE,
+                NB=next_pow2(2 * n + n * n + 3), num_warps=num_warps,
                 num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    return block_t, block_d, waves, meta, ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part)
+    key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
+    return block_t, block_d, (waves, resident), meta, key
 
 
 def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
@@ -665,14 +682,30 @@ def coefficients_bwd(
     coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
     ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
     of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
-    d(projection)/dx + grad_x_acc`` (when given), written once.
+    d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
+    views of one tensor (:func:`coefficients_bwd_packed`).
+    """
+    dx, packed = coefficients_bwd_packed(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in,
+                                         grad_x_acc, hc_eps)
+    dphi, dbias_alpha = packed.split_with_sizes((phi.numel(), packed.numel() - phi.numel()))
+    return dx, dphi.view(phi.shape), dbias_alpha
+
+
+def coefficients_bwd_packed(
+    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
+    hc_eps: float = 0.0,
+):
+    """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
+    dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
+    backward adds the first pass's per-program bias and gate sums into its per-split partial
+    ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
     """
     n, d = x.shape[-2:]
     T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
     x = x.contiguous()
     f32 = dict(dtype=torch.float32, device=x.device)
     if T == 0:
-        return torch.zeros_like(x), torch.zeros((K, M), **f32), torch.zeros((M + 3,), **f32)
+        return torch.zeros_like(x), torch.zeros((K * M + M + 3,), **f32)
     grad_x_in = grad_x_in.contiguous()
     p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
     g, c, partial_bias = coefficient_grad(
@@ -683,27 +716,46 @@ def coefficients_bwd(
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
     split_bf16, precision = _split_bf16(x), dx_precision(x, n)
     for part in projection_passes(n):
-        block_t, block_d, waves, meta, key = _projection_meta(
+        block_t, block_d, (waves, resident), meta, key = _projection_meta(
             n, d, x.dtype, accumulate, split_bf16, precision, part)
         chunks = n * cdiv(d, block_d)
-        splits = token_splits(T, block_t, waves, chunks, x.device)
+        splits = token_splits(T, block_t, waves, chunks, x.device, resident)
         if part != "dx":
-            partial_phi = torch.empty((splits, K, M), **f32)
-        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, dx, partial_phi if part != "dx" else dx, T, d, splits)
+            partial = torch.empty((splits, K * M + M + 3), **f32)
+        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias, dx, partial if part != "dx" else dx, T, d,
+                splits, partial_bias.shape[0])
         launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
-    return dx, partial_phi.sum(0), partial_bias.sum(0)
+    return dx, partial.sum(0)
 
 
-def token_splits(T: int, block_t: int, waves: int, chunks: int, device) -> int:
-    """Token splits of a ``(chunks, splits)`` grid: about ``waves`` programs per SM, and at least
-    ``MIN_SPLIT_BLOCKS`` token blocks per split. Each split writes a partial ``dphi`` (``K * M``
-    fp32) that is read again to be added: where tokens are few, more splits than that move more
-    bytes than they save (H100, d = 1024, n = 4, 1k tokens: coefficient backward 46 us with 12
-    splits of 1-2 blocks, 38 us with 4; ``python scripts/tune_mixing.py small-tokens``)."""
-    return max(1, min(cdiv(T, block_t) // MIN_SPLIT_BLOCKS, round(waves * sm_count(device) / chunks)))
+def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
+    """Token splits of a ``(chunks, splits)`` grid, at least ``MIN_SPLIT_BLOCKS`` token blocks
+    each: each split writes a partial ``dphi`` (``K * M`` fp32) that is read again to be added, and
+    where tokens are few more splits than that move more bytes than they save (H100, d = 1024,
+    n = 4, 1k tokens: coefficient backward 46 us with 12 splits of 1-2 blocks, 38 us with 4;
+    ``python scripts/tune_mixing.py small-tokens``).
+
+    ``resident``: programs an SM holds at once, where known. Then the splits (up to ``waves``
+    programs per SM) are those that finish soonest counted in whole rounds of resident programs,
+    ``rounds(splits) * blocks per split``, the fewest on ties: a last round that is partly empty
+    costs as much as a full one (d = 1024, n = 4, 2k tokens: 8 splits are 512 programs, 1.3
+    rounds of 396; 6 splits are one round, 49.2 -> 41.6 us; ``python scripts/tune_mixing.py
+    small-tokens-projection``). Otherwise about ``waves`` programs per SM.
+    """
+    blocks = cdiv(T, block_t)
+    most = max(1, min(blocks // MIN_SPLIT_BLOCKS, round(waves * sm_count(device) / chunks)))
+    if resident is None:
+        return most
+    return _fewest_rounds(blocks, chunks, resident * sm_count(device), most)
+
+
+@functools.lru_cache(maxsize=256)
+def _fewest_rounds(blocks: int, chunks: int, slots: int, most: int) -> int:
+    return min(range(1, most + 1), key=lambda s: (cdiv(chunks * s, slots) * cdiv(blocks, s), s))
 
 
 MIN_SPLIT_BLOCKS = 4
+BIAS_TILE = 64  # rows of the per-program bias sums that a dphi program adds at a time
 
 
 @functools.cache
