@@ -294,6 +294,9 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
         arms = _recompute_arms(base, recompute, cfg["layers"])
         for name in modes:
             compiled = MODES[name] is not None
+            # every model instance recompiles the same forward: past Dynamo's limit of recompiles
+            # (8) a later arm would silently run eager; the arms of earlier tables are gone
+            torch._dynamo.reset()
             runs = {}
             for arm in arms:
                 if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets

@@ -2,7 +2,7 @@
 # Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
 # GPT step at small and large token counts, eager / compiled / CUDA graphs, the host profile, the
 # graph-captured site and its kernels, the coefficient kernels' small-token sweep, V4 decoding.
-#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|site|sweep|decode|table-1024|table-4096
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|site|site-ab|sweep|decode|table-1024|table-4096
 set -uo pipefail
 out=${OUT:-results}
 mkdir -p "$out"
@@ -15,8 +15,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${H
 bench="python3 examples/benchmark_mixing.py --tables model --repeats 3"
 for stage in "$@"; do
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_small_tokens.py tests/test_compiled_gpu.py \
-             tests/test_export.py tests/test_capture_gpu.py tests/test_mixing_gpu.py 2>&1 | tee "$out/tests.log" ;;
+    tests)  # in 4 worker processes where pytest-xdist is installed (the kernels compile in parallel)
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+      python3 -m pytest -q -p no:cacheprovider $workers tests/test_small_tokens.py tests/test_coefficient_backward.py \
+        tests/test_compiled_gpu.py tests/test_export.py tests/test_capture_gpu.py tests/test_mixing_gpu.py \
+        tests/test_mixing_fused.py tests/test_mixing_chain_gpu.py tests/test_sinkhorn_gpu.py 2>&1 | tee "$out/tests.log" ;;
     gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
              --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);
@@ -29,6 +32,13 @@ for stage in "$@"; do
           --out-dir "$out/compile_cache_$cache" 2>&1 | tee "$out/compile_cache_$cache.log"
       done ;;
     site) python3 scripts/site_kernels.py --out "$out/site_kernels.txt" 2>&1 | tee "$out/site.log" ;;
+    site-ab)  # before (the package under .old/, when there) and after, in one call
+      for arm in before after; do
+        [ $arm = before ] && { [ -d .old/mhc ] || continue; }
+        ( [ $arm = before ] && export PYTHONPATH=$PWD/.old:$PYTHONPATH
+          python3 scripts/site_kernels.py --dims 1024 4096 --tokens 1024 2048 4096 16384 \
+            --out "$out/site_kernels_$arm.txt" 2>&1 | tee "$out/site_$arm.log" )
+      done ;;
     sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
     decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
