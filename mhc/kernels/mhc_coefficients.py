@@ -36,9 +36,10 @@ coefficient's gradient first:
 2. ``projection_bwd_kernel`` over ``(stream, channel chunk, token split)``:
    ``dx = g @ phi^T - c x + h_pre (x) dx_in (+ the post-mix's dx)``, one read and one write of
    the streams, and ``dphi = x^T g`` accumulated in registers over the split's tokens, written as
-   one partial per split. At n = 5..8 the ``dphi`` accumulators (res columns 32 or 64 wide) beside
-   the ``dx`` tiles spill, so ``dx`` and ``dphi`` are two launches of the kernel, each reading
-   ``x``: one more read of the streams, and no spills (faster by a third).
+   one partial per split, followed by the split's share of the first pass's per-program sums, so
+   that one reduction adds both. At n = 5..8 the ``dphi`` accumulators (res columns 32 or 64
+   wide) beside the ``dx`` tiles spill, so ``dx`` and ``dphi`` are two launches of the kernel,
+   each reading ``x``: one more read of the streams, and no spills (faster by a third).
 
 Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
