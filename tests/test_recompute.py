@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from einops import einsum
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -125,6 +125,8 @@ def first_sites(n_sites: int, every: int) -> int:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chain", [False, True])
+# each example runs a stack of up to 5 sites twice: at most 10 examples (CI's profile draws 20)
+@settings(max_examples=min(10, settings.default.max_examples))
 @given(
     kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=5),
     every=st.integers(1, 7),
