@@ -167,7 +167,7 @@ def test_recompute_gives_the_same_step(backend):
     ref, patched = model_pair(backend, layers=2)
     ids = torch.randint(0, 97, (2, 12), device=KERNEL_DEVICE)
     want = step(patched, ids)
-    for recompute in (True, 2, 4):
+    for recompute in (True, 4):  # True: blocks of 2 layers
         patch_deepseek_v4(patched, backend=backend, recompute=recompute)
         assert patched.model.layers[0].attn_hc._recompute.every == (2 if recompute is True else recompute)
         loss, logits, grads = step(patched, ids)

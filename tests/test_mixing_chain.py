@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -82,6 +82,8 @@ def run_chain(sites, x, grad, chained: bool):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+# each example runs three chains (chained, unchained, the reference): at most 12 examples
+@settings(max_examples=min(12, settings.default.max_examples))
 @given(
     # on a GPU every n compiles its own kernels: a few there, more in the interpreter
     n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
