@@ -415,7 +415,7 @@ def projection_bwd_kernel(
         tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
         tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
         if tl.program_id(0) == 0:
-            # this split's share of the bias and gate sums: rows i_s, i_s + SPLITS, ... in tiles
+            # this split's share of the bias and gate sums: row tiles i_s, i_s + SPLITS, ...
             o_b = tl.arange(0, NB)
             acc = tl.zeros([BLOCK_R, NB], dtype=tl.float32)
             for i_r in range(i_s * BLOCK_R, BIAS_ROWS, SPLITS * BLOCK_R):
@@ -743,11 +743,11 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
     rounds of 396; 6 splits are one round, 49.2 -> 41.6 us; ``python scripts/tune_mixing.py
     small-tokens-projection``). Otherwise about ``waves`` programs per SM.
     """
-    blocks = cdiv(T, block_t)
-    most = max(1, min(blocks // MIN_SPLIT_BLOCKS, round(waves * sm_count(device) / chunks)))
+    blocks, sms = cdiv(T, block_t), sm_count(device)
+    most = max(1, min(blocks // MIN_SPLIT_BLOCKS, round(waves * sms / chunks)))
     if resident is None:
         return most
-    return _fewest_rounds(blocks, chunks, resident * sm_count(device), most)
+    return _fewest_rounds(blocks, chunks, resident * sms, most)
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,15 +29,13 @@ Vectors keep the tile's axes: row vectors (``u``, row sums) are ``[BLOCK_T, RI, 
 vectors (``v``, column sums) ``[BLOCK_T, 1, CB, 1, 4]``, so every product broadcasts against the tile.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import INTERPRET, launch
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
 # Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
@@ -106,7 +104,7 @@ def _add_pairs(a0, b0, a1, b1):
 
 # Triton's interpreter (CI) runs a reduction with a combine function element by element in Python,
 # about a second per call at n = 8: there the pair is two sums, as fast as any other reduction.
-_ONE_REDUCTION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_ONE_REDUCTION = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
