@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter import install  # noqa: E402
+
+    install()
+
 # nan_poison is function-scoped on purpose: its patch holds for every example of a test.
 common = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 settings.register_profile("ci", max_examples=20, derandomize=True, **common)
