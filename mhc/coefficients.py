@@ -90,9 +90,9 @@ class DynamicMHC:
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
-    def fused_start(self, site, x: torch.Tensor, plan=None):
+    def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         outputs = MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward,
-                                          site.rms_eps, site.hc_eps, *function_args(plan))
+                                          site.rms_eps, site.hc_eps, with_h_pre, *function_args(plan))
         return function_outputs(plan, outputs)
 
     def fused_parameters(self, site):
@@ -122,7 +122,7 @@ class DynamicHC:
         pre, post, res = self.logits(site, x)
         return b_pre + pre, b_post + post, b_res + res
 
-    def fused_start(self, site, x: torch.Tensor, plan=None):
+    def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         T = math.prod(x.shape[:-2])
         with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
             coefficients = self.reference(site, x)
@@ -154,7 +154,7 @@ class Static:
         h_pre, h_post, h_res = self.coefficients(site)
         return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
 
-    def fused_start(self, site, x: torch.Tensor, plan=None):
+    def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         # one set of coefficients, broadcast over tokens (token stride 0)
         T, n = math.prod(x.shape[:-2]), x.shape[-2]
         h_pre, h_post, h_res = (c.float() for c in self.coefficients(site))

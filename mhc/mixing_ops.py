@@ -320,15 +320,20 @@ class MHCPreMixFunction(torch.autograd.Function):
     dtype, read into fp32 by the kernels) -> ``(x_in [..., d], h_pre [T, n], h_post [T, n],
     h_res [T, n, n], x_pass = x)``. Saved: ``x`` and per-token fp32 values (``p``, ``r``,
     coefficients, Sinkhorn logits); ``at, *recipe``: recompute mode (above).
+
+    ``with_h_pre=False`` returns ``None`` for ``h_pre``, for callers that only pre-mix with it (a
+    site's ``split``): under ``torch.compile`` a returned ``h_pre`` that nothing uses gets a
+    gradient of zeros, made by a kernel of its own and read by the backward for nothing.
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, linked=False, link=None, *recipe):
+    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, with_h_pre=True, at=None, linked=False,
+                link=None, *recipe):
         params = (phi, alpha, bias)
         x = x.contiguous()
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
         extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe)
-        return x_in, outputs[2], outputs[3], outputs[5], x, *extra
+        return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x, *extra
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
@@ -342,7 +347,7 @@ class MHCPreMixFunction(torch.autograd.Function):
             x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
             grad_x_pass, ctx.settings[3],
         )
-        return (dx, *_parameter_grads(ctx, packed), None, None, None, None, *_grads_after(ctx, anchor))
+        return (dx, *_parameter_grads(ctx, packed), None, None, None, None, None, *_grads_after(ctx, anchor))
 
 
 class MHCSeamFunction(torch.autograd.Function):
@@ -357,14 +362,14 @@ class MHCSeamFunction(torch.autograd.Function):
     the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
     forward would save apart.
 
-    Recompute mode (above): ``at, linked, link, *recipe`` rebuild ``x``; ``next_at`` caches
-    ``x_pass``, which is saved only with ``keep_next`` (it starts a block) and otherwise rebuilt
-    from ``x``.
+    ``with_h_pre``: as for :class:`MHCPreMixFunction`. Recompute mode (above): ``at, linked,
+    link, *recipe`` rebuild ``x``; ``next_at`` caches ``x_pass``, which is saved only with
+    ``keep_next`` (it starts a block) and otherwise rebuilt from ``x``.
     """
 
     @staticmethod
-    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, at=None, linked=False,
-                link=None, next_at=None, keep_next=True, *recipe):
+    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, with_h_pre=True,
+                at=None, linked=False, link=None, next_at=None, keep_next=True, *recipe):
         params = (phi, alpha, bias)
         run = _launchers()
         x = x.contiguous()
@@ -374,7 +379,7 @@ class MHCSeamFunction(torch.autograd.Function):
         extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe,
                                    h_res_l, y, h_post_l, *kept)
         ctx.next_at = next_at
-        return x_in, outputs[2], outputs[3], outputs[5], x_next, *extra
+        return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x_next, *extra
 
     @staticmethod
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
@@ -400,7 +405,7 @@ class MHCSeamFunction(torch.autograd.Function):
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
         after = _grads_after(ctx, anchor)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, packed), None, None, None, None,
+        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, packed), None, None, None, None, None,
                 *after[:3], None, None, *after[3:])
 
 

@@ -150,7 +150,7 @@ class Site:
         schedule = self._recompute
         plan = None if schedule is None else schedule.plan(x, path)
         if path == "triton":
-            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x, plan)
+            x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x, plan, with_h_pre=False)
             if schedule is not None:
                 schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
@@ -223,7 +223,7 @@ class FusedFinish:
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
             return _returned(rest, *next.split(self._post_mix(y, schedule)))
         args = (x, y, self.h_post, self.h_res, *next.source.fused_parameters(next), next.sinkhorn_iters,
-                next.backward, next.rms_eps, next.hc_eps)
+                next.backward, next.rms_eps, next.hc_eps, False)  # False: no h_pre (MHCPreMixFunction)
         continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
         if schedule is None:
             outputs, next_at = MHCSeamFunction.apply(*args), None

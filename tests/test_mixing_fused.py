@@ -184,6 +184,71 @@ def test_torch_compile_fullgraph_matches_eager():
     assert_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _backward_graphs(module, x, grad):
+    """The backward graphs (ATen level, after AOTAutograd) of ``torch.compile(module)`` for one
+    forward + backward, and the gradients it gave."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    backward = []
+
+    def keep_backward(gm, _):
+        backward.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        return aot_module_simplified(gm, inputs, fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                                     bw_compiler=keep_backward)
+
+    torch._dynamo.reset()
+    return backward, run(torch.compile(module, backend=backend, fullgraph=True), x, grad)
+
+
+class ChainOfTwo(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        x_in, finish = self.first.split(x)
+        x_in, finish = finish(self.first.branch(x_in), next=self.second)
+        return finish(self.second.branch(x_in))
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_compiled_sites_give_the_coefficient_backward_no_h_pre_gradient(chain):
+    # a site's split pre-mixes with h_pre and returns nothing else of it: under torch.compile an
+    # h_pre output that nothing uses got a gradient of zeros (one more kernel per site)
+    fused, _ = layer_pair(12, 4, seed=8)
+    module = ChainOfTwo(fused, layer_pair(12, 4, seed=9)[0]) if chain else fused
+    x, grad = torch.randn(5, 4, 12, device=DEVICE), torch.randn(5, 4, 12, device=DEVICE)
+    want = run(module, x, grad)
+    graphs, got = _backward_graphs(module, x, grad)
+    calls = [node for gm in graphs for node in gm.graph.nodes if node.target is torch.ops.mhc.mhc_coefficients_bwd.default]
+    assert len(calls) == (2 if chain else 1)
+    for node in calls:
+        dh_pre = node.args[7]  # (x, phi, alpha, p, r, h_pre, h_post, dh_pre, ...)
+        assert dh_pre is None, f"the coefficient backward reads a gradient of h_pre made by {dh_pre.target}"
+    assert_all_close({k.replace("_orig_mod.", ""): v for k, v in got.items()}, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_coefficients_give_h_pre_its_gradient():
+    # site.coefficients returns h_pre: its gradient reaches the parameters and the streams
+    fused, ref = layer_pair(9, 4, seed=10)
+    x = torch.randn(6, 4, 9, device=DEVICE)
+    weights = [torch.randn(shape, device=DEVICE) for shape in ((6, 4), (6, 4), (6, 4, 4))]
+    grads = {}
+    for layer in (fused, ref):
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        loss = sum((c * w).sum() for c, w in zip(layer.coefficients(xi), weights))
+        h_pre_only = (layer.coefficients(xi)[0] * weights[0]).sum()
+        (loss + h_pre_only).backward()
+        grads[layer.backend] = {"x": xi.grad, **{k: p.grad for k, p in layer.named_parameters()
+                                                 if not k.startswith("branch")}}
+    assert_all_close(grads["triton"], grads["torch"], rtol=1e-4, atol=1e-5)
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     fused, _ = layer_pair(10, 4, seed=6)
     x, grad = torch.randn(2, 5, 4, 10, device=DEVICE), torch.randn(2, 5, 4, 10, device=DEVICE)
