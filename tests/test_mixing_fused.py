@@ -224,11 +224,16 @@ def test_compiled_sites_give_the_coefficient_backward_no_h_pre_gradient(chain):
     x, grad = torch.randn(5, 4, 12, device=DEVICE), torch.randn(5, 4, 12, device=DEVICE)
     want = run(module, x, grad)
     graphs, got = _backward_graphs(module, x, grad)
-    calls = [node for gm in graphs for node in gm.graph.nodes if node.target is torch.ops.mhc.mhc_coefficients_bwd.default]
-    assert len(calls) == (2 if chain else 1)
-    for node in calls:
-        dh_pre = node.args[7]  # (x, phi, alpha, p, r, h_pre, h_post, dh_pre, ...)
-        assert dh_pre is None, f"the coefficient backward reads a gradient of h_pre made by {dh_pre.target}"
+    nodes = [node for gm in graphs for node in gm.graph.nodes]
+    assert nodes
+    aten = torch.ops.aten
+    made = [node.target for node in nodes
+            if node.target in (aten.zeros.default, aten.full.default, aten.zeros_like.default, aten.new_zeros.default)]
+    assert not made, f"the backward makes gradients of zeros: {made}"
+    # the opaque op where it is one (CPU); a GPU's triton_op shows its kernels instead
+    for node in nodes:
+        if node.target is torch.ops.mhc.mhc_coefficients_bwd.default:
+            assert node.args[7] is None  # (x, phi, alpha, p, r, h_pre, h_post, dh_pre, ...)
     assert_all_close({k.replace("_orig_mod.", ""): v for k, v in got.items()}, want, rtol=1e-5, atol=1e-5)
 
 
