@@ -2,7 +2,7 @@
 # Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
 # GPT step at small and large token counts, eager / compiled / CUDA graphs, the host profile, the
 # graph-captured site and its kernels, the coefficient kernels' small-token sweep, V4 decoding.
-#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|site|site-ab|sweep|decode|table-1024|table-4096
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|host-compiled|large|site|site-ab|sweep|decode|table-1024|table-4096
 set -uo pipefail
 out=${OUT:-results}
 mkdir -p "$out"
@@ -42,6 +42,12 @@ for stage in "$@"; do
     sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
     decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
+    host-compiled) python3 scripts/profile_host.py --arms plain mhc mhc-chain --mode compiled 2>&1 \
+             | tee "$out/host_profile_compiled.log" ;;
+    large) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled --batch 16 --seq 1024 \
+             --out-dir "$out/large_1024" 2>&1 | tee "$out/large_1024.log"
+           $bench --models 4096 --arms plain mhc mhc-chain --modes eager compiled --batch 8 --seq 1024 \
+             --out-dir "$out/large_4096" 2>&1 | tee "$out/large_4096.log" ;;
     table-1024) $bench --models 1024 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
              --batch 1 2 4 8 16 --out-dir "$out/table_1024" 2>&1 | tee "$out/table_1024.log" ;;
     table-4096) $bench --models 4096 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
