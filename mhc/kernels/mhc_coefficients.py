@@ -269,26 +269,21 @@ def coefficients_finish_kernel(
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
-@triton.jit(do_not_specialize=["T", "hc_eps", "COUNTS"])
+@triton.jit(do_not_specialize=["T", "hc_eps"])
 def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
     x_ptr, dx_in_ptr, dh_pre_ptr, h_pre_ptr, dh_post_ptr, h_post_ptr, dz_res_ptr, p_ptr, r_ptr,
     alpha_ptr,
     # outputs (fp32): g [T, M] (projection gradient), c [T] (RMS term), partial [programs, M + 3]
-    # (this program's sums of dz and of the gate terms s); counts [COUNTS] int32, zeroed for the
-    # projection backward that follows (its splits count themselves there)
-    g_ptr, c_ptr, partial_ptr, counts_ptr,
-    T, D, hc_eps, COUNTS,
+    # (this program's sums of dz and of the gate terms s)
+    g_ptr, c_ptr, partial_ptr,
+    T, D, hc_eps,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, HAS_DH_PRE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
     i_t = tl.program_id(0)
-    if i_t == 0:
-        for i_c in range(0, COUNTS, 128):
-            o_c = i_c + tl.arange(0, 128)
-            tl.store(counts_ptr + o_c, tl.zeros([128], dtype=tl.int32), mask=o_c < COUNTS)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
     m_t = t_ok[:, None]
@@ -355,10 +350,9 @@ def projection_bwd_kernel(
     # coefficient-gradient kernel's per-program sums)
     x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr, partial_bias_ptr,
     # outputs: dx [T, N, D] (x's dtype); partial [SPLITS, N * D * M + M + 3] fp32, per split its
-    # dphi [N * D, M] then its share of the sums of partial_bias (unused for one split); out
-    # [N * D * M + M + 3] fp32, their sum over the splits, added by the last split of each channel
-    # chunk to finish, which counts [programs along axis 0] (int32, zero at launch) tell
-    dx_ptr, partial_ptr, out_ptr, counts_ptr,
+    # dphi [N * D, M] then its share of the sums of partial_bias, so that one sum over the splits
+    # gives both
+    dx_ptr, partial_ptr,
     T, D, SPLITS, BIAS_ROWS,
     N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
     SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -416,58 +410,19 @@ def projection_bwd_kernel(
             dphi_res += _dot_fp32(b_xt, b_g_res, SPLIT_BF16)
 
     if DPHI:
-        L: tl.constexpr = M + 3  # the bias and gate sums after dphi
-        m_dphi_pp = c_ok[:, None] & m_pp
-        m_dphi_res = c_ok[:, None] & m_res
-        o_b = tl.arange(0, NB)
-        bias_sums = tl.zeros([NB], dtype=tl.float32)
+        p_split = partial_ptr + i_s.to(tl.int64) * (N * D * M + M + 3)
+        p_out = p_split + o_k[:, None] * M
+        tl.store(p_out + o_pp[None, :], dphi_pp, mask=c_ok[:, None] & m_pp)
+        tl.store(p_out + 2 * N + o_res[None, :], dphi_res, mask=c_ok[:, None] & m_res)
         if tl.program_id(0) == 0:
             # this split's share of the bias and gate sums: row tiles i_s, i_s + SPLITS, ...
+            o_b = tl.arange(0, NB)
             acc = tl.zeros([BLOCK_R, NB], dtype=tl.float32)
             for i_r in range(i_s * BLOCK_R, BIAS_ROWS, SPLITS * BLOCK_R):
                 o_r = i_r + tl.arange(0, BLOCK_R)
-                m_b = (o_r < BIAS_ROWS)[:, None] & (o_b < L)[None, :]
-                acc += tl.load(partial_bias_ptr + o_r[:, None] * L + o_b[None, :], mask=m_b, other=0.0)
-            bias_sums = tl.sum(acc, axis=0)
-        if SPLITS == 1:
-            _store_dphi(out_ptr, o_k, o_pp, o_res, dphi_pp, dphi_res, m_dphi_pp, m_dphi_res, N, M)
-            if tl.program_id(0) == 0:
-                tl.store(out_ptr + N * D * M + o_b, bias_sums, mask=o_b < L)
-        else:
-            p_split = partial_ptr + i_s.to(tl.int64) * (N * D * M + L)
-            _store_dphi(p_split, o_k, o_pp, o_res, dphi_pp, dphi_res, m_dphi_pp, m_dphi_res, N, M)
-            if tl.program_id(0) == 0:
-                tl.store(p_split + N * D * M + o_b, bias_sums, mask=o_b < L)
-            # The last split of this chunk to finish adds all of them, in split order (the same
-            # sum whichever finishes last). The barrier puts every thread's stores before the
-            # count; acq_rel publishes them to the last split and shows it the others'.
-            tl.debug_barrier()
-            finished = tl.atomic_add(counts_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if finished == SPLITS - 1:
-                sum_pp = tl.zeros([BLOCK_D, NPP], dtype=tl.float32)
-                sum_res = tl.zeros([BLOCK_D, NRES], dtype=tl.float32)
-                sum_b = tl.zeros([NB], dtype=tl.float32)
-                p_s = partial_ptr  # advanced a split at a time (64-bit pointer arithmetic)
-                for _ in range(0, SPLITS):
-                    p_rows = p_s + o_k[:, None] * M
-                    # .cg: from L2, where the other splits' stores are (L1 is not coherent)
-                    sum_pp += tl.load(p_rows + o_pp[None, :], mask=m_dphi_pp, other=0.0, cache_modifier=".cg")
-                    sum_res += tl.load(p_rows + 2 * N + o_res[None, :], mask=m_dphi_res, other=0.0,
-                                       cache_modifier=".cg")
-                    if tl.program_id(0) == 0:
-                        sum_b += tl.load(p_s + N * D * M + o_b, mask=o_b < L, other=0.0, cache_modifier=".cg")
-                    p_s += N * D * M + L
-                _store_dphi(out_ptr, o_k, o_pp, o_res, sum_pp, sum_res, m_dphi_pp, m_dphi_res, N, M)
-                if tl.program_id(0) == 0:
-                    tl.store(out_ptr + N * D * M + o_b, sum_b, mask=o_b < L)
-
-
-@triton.jit
-def _store_dphi(p_base, o_k, o_pp, o_res, dphi_pp, dphi_res, m_pp, m_res, N: tl.constexpr, M: tl.constexpr):
-    """Rows ``o_k`` of a ``dphi [N * D, M]`` at ``p_base``: the ``[pre | post]`` and ``res`` tiles."""
-    p_rows = p_base + o_k[:, None] * M
-    tl.store(p_rows + o_pp[None, :], dphi_pp, mask=m_pp)
-    tl.store(p_rows + 2 * N + o_res[None, :], dphi_res, mask=m_res)
+                m_b = (o_r < BIAS_ROWS)[:, None] & (o_b < M + 3)[None, :]
+                acc += tl.load(partial_bias_ptr + o_r[:, None] * (M + 3) + o_b[None, :], mask=m_b, other=0.0)
+            tl.store(p_split + N * D * M + o_b, tl.sum(acc, axis=0), mask=o_b < M + 3)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -700,23 +655,19 @@ def per_token_outputs(T: int, n: int, device):
             torch.empty((T, n), **f32), torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32))
 
 
-def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float,
-                     counts=None):
+def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
     """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
-    the projection's gradient, the RMS term and per-program sums for the biases and gates.
-    ``counts``: the projection backward's int32 counters, zeroed here (``None``: none)."""
+    the projection's gradient, the RMS term and per-program sums for the biases and gates."""
     n, d = x.shape[-2:]
     T, M = math.prod(x.shape[:-2]), 2 * n + n * n
     f32 = dict(dtype=torch.float32, device=x.device)
     g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
-    if counts is None:
-        counts = torch.empty((0,), dtype=torch.int32, device=x.device)
     has_dh_pre = dh_pre is not None
     block_t, meta, key = _grad_meta(n, d, has_dh_pre)
     grid_t = cdiv(T, block_t)
     partial_bias = torch.empty((grid_t, M + 3), **f32)
     args = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-            dz_res.contiguous(), p, r, alpha.contiguous(), g, c, partial_bias, counts, T, d, hc_eps, counts.numel())
+            dz_res.contiguous(), p, r, alpha.contiguous(), g, c, partial_bias, T, d, hc_eps)
     launch(coefficient_grad_kernel, (grid_t,), args, meta, key)
     return g, c, partial_bias
 
@@ -746,10 +697,9 @@ def coefficients_bwd_packed(
     hc_eps: float = 0.0,
 ):
     """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
-    dalpha])``, fp32 ``[K * M + M + 3]``. The projection backward adds the first pass's
-    per-program bias and gate sums into its per-split partial ``dphi``, and the last split of each
-    channel chunk to finish adds the splits' partial results, in split order: no reduction of its
-    own. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
+    dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
+    backward adds the first pass's per-program bias and gate sums into its per-split partial
+    ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
     """
     n, d = x.shape[-2:]
     T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
@@ -759,26 +709,24 @@ def coefficients_bwd_packed(
         return torch.zeros_like(x), torch.zeros((K * M + M + 3,), **f32)
     grad_x_in = grad_x_in.contiguous()
     p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
+    g, c, partial_bias = coefficient_grad(
+        x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
+    )
+    dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
     split_bf16, precision = _split_bf16(x), dx_precision(x, n)
-    passes = [(part, *_projection_meta(n, d, x.dtype, accumulate, split_bf16, precision, part))
-              for part in projection_passes(n)]
-    chunks = n * cdiv(d, passes[-1][2])  # the dphi pass's (the last) channel chunks: one counter each
-    counts = torch.empty((chunks,), dtype=torch.int32, device=x.device)
-    g, c, partial_bias = coefficient_grad(
-        x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps, counts
-    )
-    dx = torch.empty_like(x)
-    out = torch.empty((K * M + M + 3,), **f32)
-    for part, block_t, block_d, (waves, resident), meta, key in passes:
+    for part in projection_passes(n):
+        block_t, block_d, (waves, resident), meta, key = _projection_meta(
+            n, d, x.dtype, accumulate, split_bf16, precision, part)
         chunks = n * cdiv(d, block_d)
         splits = token_splits(T, block_t, waves, chunks, x.device, resident)
-        partial = torch.empty((splits, K * M + M + 3), **f32) if part != "dx" and splits > 1 else out
-        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias, dx, partial, out, counts, T, d, splits,
-                partial_bias.shape[0])
+        if part != "dx":
+            partial = torch.empty((splits, K * M + M + 3), **f32)
+        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias, dx, partial if part != "dx" else dx, T, d,
+                splits, partial_bias.shape[0])
         launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
-    return dx, out
+    return dx, partial.sum(0)
 
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
