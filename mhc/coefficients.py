@@ -91,6 +91,8 @@ class DynamicMHC:
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
+        """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
+        (:class:`mhc.mixing_ops.MHCPreMixFunction`). The other sources return it either way."""
         outputs = MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward,
                                           site.rms_eps, site.hc_eps, with_h_pre, *function_args(plan))
         return function_outputs(plan, outputs)
