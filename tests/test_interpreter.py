@@ -27,7 +27,8 @@ def _with_triton_interpreter(run):
     from triton.runtime import interpreter
 
     patched_lang, patched_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    assert getattr(patched_lang, "_mhc_cached", False), "the suite's interpreter patch is not installed"
+    if not getattr(patched_lang, "_mhc_cached", False):  # install() found other internals: Triton's own runs
+        pytest.skip("this Triton's interpreter is not patched (tests/interpreter.py found other internals)")
     interpreter._patch_lang = patched_lang._mhc_original
     interpreter.GridExecutor.__call__ = patched_call._mhc_original
     try:
