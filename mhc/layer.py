@@ -118,7 +118,10 @@ def sinkhorn_launchers():
         ops = torch.ops.mhc
         return ops.sinkhorn_fwd, ops.sinkhorn_bwd, ops.sinkhorn_implicit_bwd, ops.sinkhorn_eps_fwd, ops.sinkhorn_eps_bwd
     k = _kernels()
-    return k.sinkhorn_fwd, k.sinkhorn_bwd, k.sinkhorn_implicit_bwd, k.sinkhorn_eps_fwd, k.sinkhorn_eps_bwd
+    # the backwards without argument checks: autograd hands them what their forward saved and a
+    # gradient of the output's shape, dtype and device
+    return (k.sinkhorn_fwd, k.sinkhorn.sinkhorn_bwd_unchecked, k.sinkhorn_implicit.sinkhorn_implicit_bwd_unchecked,
+            k.sinkhorn_eps_fwd, k.sinkhorn_eps.sinkhorn_eps_bwd_unchecked)
 
 
 def sinkhorn_bwd_launch(saved: torch.Tensor, grad_out: torch.Tensor, iters: int, backward: str, eps: float):

@@ -33,9 +33,10 @@ from mhc.mixing import HyperConnection  # noqa: E402
 KERNEL_MODULES = ("stream_mix", "mhc_coefficients", "sinkhorn", "sinkhorn_eps", "sinkhorn_tiled", "sinkhorn_implicit")
 
 
-def fake_launch(kernel, grid, args, meta, meta_key) -> None:
+def fake_launch(kernel, grid, inputs, outputs, scalars, meta, meta_key) -> None:
     """The host part of :func:`mhc.kernels._launch.launch` on a cache hit, without the launch."""
-    _launch._CACHE.get((id(kernel), meta_key, -1, _launch._specialization(args)))
+    (*inputs, *outputs, *scalars)
+    _launch._CACHE.get((id(kernel), meta_key, inputs[0].get_device(), _launch._specialization(inputs, scalars)))
 
 
 def fake_kernels() -> None:
@@ -68,8 +69,11 @@ class OutputsOnly:
 
 def outputs_only_launchers() -> None:
     from mhc import layer, mixing_ops
+    from mhc.kernels import mhc_coefficients
 
-    stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch)
+    # the names of mixing_ops' eager launchers; the coefficient backward's is the packed one
+    stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch,
+                       coefficients_bwd=mhc_coefficients.coefficients_bwd_packed)
     mixing_ops._EAGER = stub
     mixing_ops.sinkhorn_bwd_launch = lambda *args: stub._call("sinkhorn_bwd", *args)
 

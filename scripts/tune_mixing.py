@@ -46,9 +46,9 @@ def _uncached():
     """Sweeps replace the launchers' config functions: forget the configurations the launchers
     cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
     _launch.FAST = False
-    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta, mhc_coefficients._fwd_meta, mhc_coefficients._split_meta,
-                 mhc_coefficients._grad_meta, mhc_coefficients._projection_meta):
+    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta):
         meta.cache_clear()
+    mhc_coefficients.forget_launch_plans()
 
 
 def compile_times():
@@ -241,7 +241,7 @@ def sweep_projection():
         )[:2]
         rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
         for mode in ("tf32x3", "tf32") if n <= 4 else ():  # tf32 for n > 8: see dx_precision
-            mhc_coefficients.dx_precision = lambda x, n, mode=mode: mode
+            mhc_coefficients.dx_precision = lambda dtype, n, mode=mode: mode
             _uncached()
             dx, dphi = call()[:2]
             ms = _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
@@ -272,7 +272,7 @@ def sweep_projection_split():
         mhc_coefficients.projection_passes = lambda n: passes
         mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None: dx_cfg
         mhc_coefficients.dphi_bwd_config = lambda n, d, dtype=None: dphi_cfg
-        mhc_coefficients.dx_precision = lambda x, n: precision if passes == ("dx", "dphi") else "tf32x3"
+        mhc_coefficients.dx_precision = lambda dtype, n: precision if passes == ("dx", "dphi") else "tf32x3"
         _uncached()
         captured.clear()
         mhc_coefficients.projection_bwd_kernel = Capture()

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -38,6 +39,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    """Forget the coefficient launchers' cached plans around every test: tests replace the
+    functions the plans are made from (``sm_count``, ``token_splits``, the tile configurations)."""
+
+    def clear():
+        module = sys.modules.get("mhc.kernels.mhc_coefficients")
+        if module is not None:
+            module.forget_launch_plans()
+
+    clear()
+    yield
+    clear()
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ from tests.test_mixing_chain import make_chain, run_chain
 
 def test_key_separates_what_triton_specializes_on():
     def key(arg):
-        return _launch._specialization((arg,))
+        return _launch._specialization((arg,), ()) if isinstance(arg, torch.Tensor) else \
+            _launch._specialization((), (arg,))
 
     base = torch.empty(64)
     assert key(base) != key(base[1:])  # 16-byte aligned or not
@@ -19,7 +20,55 @@ def test_key_separates_what_triton_specializes_on():
     assert key(1) != key(2) and key(16) != key(17) and key(2) == key(3)
     assert key(2**31) != key(2**31 - 2)  # 32-bit range
     assert key(0.5) == key(2.0) and key(True) != key(False) and key(True) != key(1)
-    assert _launch._specialization((base, 1)) != _launch._specialization((1, base))  # positions count
+    assert _launch._specialization((base, base[1:]), ()) != _launch._specialization((base[1:], base), ())
+
+
+KERNEL_MODULES = ("stream_mix", "mhc_coefficients", "sinkhorn", "sinkhorn_eps", "sinkhorn_implicit", "sinkhorn_tiled")
+
+
+def test_launch_outputs_are_fresh_buffers_of_the_inputs_dtypes(monkeypatch):
+    """The launch key leaves out the ``outputs`` a launcher passes. That holds only if each is a
+    buffer the launcher has just allocated (not a view: its address is the allocator's, aligned),
+    of fp32 or of an input's dtype, or else is one of the inputs themselves. Every launcher, on
+    the paths a model takes: sites of each kind, chained and not, with their backward, fp32 and
+    fp64, and the Sinkhorn kernels (exact, implicit, DeepSeek-V4's eps, tiled)."""
+    import importlib
+
+    from mhc.layer import sinkhorn
+
+    launched = []
+
+    def checking(kernel, grid, inputs, outputs, scalars, meta, meta_key):
+        for out in outputs:
+            if any(out is t for t in inputs):
+                continue
+            assert out._base is None and out.storage_offset() == 0 and out.data_ptr() % 16 == 0, kernel.fn.__name__
+            assert out.dtype in {torch.float32, *(t.dtype for t in inputs)}, (kernel.fn.__name__, out.dtype)
+        assert all(isinstance(t, torch.Tensor) for t in inputs + outputs)
+        assert not any(isinstance(a, torch.Tensor) for a in scalars)
+        launched.append(kernel.fn.__name__)
+        launch(kernel, grid, inputs, outputs, scalars, meta, meta_key)
+
+    launch = _launch.launch
+    for name in KERNEL_MODULES:
+        monkeypatch.setattr(importlib.import_module("mhc.kernels." + name), "launch", checking)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # d = 256, 6 tokens: the coefficient forward split over K (few tokens); d = 24: one pass
+    for dtype, dim in ((torch.float32, 24), (torch.float64, 24), (torch.float32, 256)):
+        sites = [site.to(dtype) for site in make_chain(["mhc", "static-mhc", "hc", "mhc"], dim, 4, "triton", seed=1)]
+        x = torch.randn(2, 3, 4, dim, device=device, dtype=dtype)
+        for chained in (True, False):
+            run_chain(sites, x, torch.randn_like(x), chained=chained)
+        for n, backward, eps in ((4, "exact", 0.0), (4, "implicit", 0.0), (4, "exact", 1e-3), (8, "exact", 0.0),
+                                 (8, "implicit", 0.0)):
+            logits = torch.randn(5, n, n, device=device, dtype=dtype, requires_grad=True)
+            sinkhorn(logits, iters=5, backward=backward, backend="triton", eps=eps).backward(torch.randn_like(logits))
+    kernels = set(launched)
+    assert {"coefficients_fwd_kernel", "coefficients_finish_kernel", "projection_partial_kernel", "stream_mix_fwd_kernel",
+            "stream_mix_bwd_kernel", "coefficient_grad_kernel", "projection_bwd_kernel", "sinkhorn_fwd_kernel",
+            "sinkhorn_bwd_kernel", "sinkhorn_implicit_bwd_kernel", "sinkhorn_eps_fwd_kernel",
+            "sinkhorn_eps_bwd_kernel", "sinkhorn_tiled_fwd_kernel", "sinkhorn_tiled_bwd_kernel",
+            "sinkhorn_tiled_implicit_bwd_kernel"} <= kernels, kernels
 
 
 @pytest.mark.gpu

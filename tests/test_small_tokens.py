@@ -31,7 +31,7 @@ def h100_sms(monkeypatch):
     if not HAS_CUDA:
         monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
     yield
-    mhc_coefficients._split_meta.cache_clear()
+    mhc_coefficients.forget_launch_plans()
 
 
 def _inputs(tokens, seed):
@@ -134,6 +134,7 @@ def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_s
     monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)  # the split's small-token finish
     for split in (None, SMALL_SPLIT):
         monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
+        mhc_coefficients.forget_launch_plans()
         outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
     block_t, block_k, _, _, waves = SMALL_SPLIT
     splits, _ = mhc_coefficients.k_splits(tokens, N * DIM, block_t, block_k, waves, x.device)
@@ -155,6 +156,7 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     chosen = backward()
     token_splits = mhc_coefficients.token_splits
     monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: 1)
+    mhc_coefficients.forget_launch_plans()
     single = backward()
     block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
         N, DIM, x.dtype, False, False, "tf32", "both")

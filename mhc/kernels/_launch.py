@@ -7,11 +7,16 @@ specialization and calls its launcher directly: a site's host time over its bran
 +1955 to +1109 us on an H100 machine (``docs/mixing.md``, "Host time"); one launch now takes
 about 17 us there, 8.5 of them in the compiled kernel's own launcher.
 
-The cache key holds what Triton specializes on: the launch's device and meta-parameters, and per
-argument a tensor's dtype and whether its address is a multiple of 16, an int's 32-bit range,
-whether it is 1 and whether it is a multiple of 16, the type of anything else. It is at least as
-fine as Triton's own key, so a cached kernel is one that ``kernel[grid]`` would have picked. A miss
-goes through ``kernel[grid]`` (which compiles or finds the kernel) and stores what it returns.
+The cache key holds what Triton specializes on: the launch's device and meta-parameters, per
+input tensor its dtype and whether its address is a multiple of 16, per scalar an int's 32-bit
+range, whether it is 1 and whether it is a multiple of 16, the type of anything else. A launcher
+passes the tensors it has just allocated for the kernel to write apart (``outputs``), and they are
+not part of the key: the allocator's blocks are aligned to far more than 16 bytes, and their dtypes
+follow from the inputs' and the meta-parameters (an input's dtype, or fp32). Reading a tensor's
+dtype and address costs about 0.3 us on the host, and a site's launches take 23 such outputs. So
+the key is at least as fine as Triton's own, and a cached kernel is one that ``kernel[grid]``
+would have picked. A miss goes through ``kernel[grid]`` (which compiles or finds the kernel) and
+stores what it returns.
 
 Under ``TRITON_INTERPRET=1`` there is no compiled kernel: every launch is ``kernel[grid]``.
 ``MHC_FAST_LAUNCH=0`` does the same on a GPU (for comparison and debugging).
@@ -34,14 +39,15 @@ FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
 _Tensor = torch.Tensor
 
 
-def _specialization(args) -> tuple:
-    """What Triton specializes ``args`` on, flattened into one tuple (one pass, no call per
-    argument: this runs on every launch). The device is the launch's, not part of this key."""
+def _specialization(inputs: tuple, scalars: tuple) -> tuple:
+    """What Triton specializes ``inputs`` (tensors) and ``scalars`` on, flattened into one tuple (one
+    pass, no call per argument: this runs on every launch). The device is the launch's, not part
+    of this key."""
     key = []
-    for a in args:
-        if isinstance(a, _Tensor):
-            key += (a.dtype, a.data_ptr() & 15 == 0)
-        elif type(a) is int:
+    for a in inputs:
+        key += (a.dtype, a.data_ptr() & 15 == 0)
+    for a in scalars:
+        if type(a) is int:
             key += (-(2**31) <= a < 2**31, a == 1, a & 15 == 0)
         else:
             key.append(a if type(a) is bool else type(a))
@@ -58,10 +64,15 @@ class _Cached:
 _CACHE: dict = {}
 
 
-def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
-    """``kernel[grid](*args, **meta)``. ``args`` are the kernel's leading non-constexpr arguments in
-    order, ``meta`` its constexpr arguments (as keywords) and launch options (``num_warps``, ...);
-    ``meta_key`` is a hashable stand-in for ``meta`` (launchers cache their meta per configuration)."""
+def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: dict, meta_key) -> None:
+    """``kernel[grid](*inputs, *outputs, *scalars, **meta)``: the kernel's leading non-constexpr
+    arguments in order, as three groups. ``inputs``: the tensors it reads (or any tensor not
+    allocated by the caller for this launch); ``outputs``: tensors the caller has just allocated
+    (``torch.empty``), each of an input's dtype or of one that ``meta_key`` fixes; ``scalars``: the
+    ints, floats and bools after them. ``meta`` holds its constexpr arguments (as keywords) and
+    launch options (``num_warps``, ...); ``meta_key`` is a hashable stand-in for ``meta``
+    (launchers cache their meta per configuration)."""
+    args = (*inputs, *outputs, *scalars)
     if _library.tracing:
         _traced_launch(kernel, grid, args, meta, meta_key)
         return
@@ -69,8 +80,8 @@ def launch(kernel, grid, args: tuple, meta: dict, meta_key) -> None:
         kernel[grid](*args, **meta)
         return
     # id(kernel): a JITFunction hashes through Python code; the kernels live as long as their module
-    device = args[0].get_device()
-    key = (id(kernel), meta_key, device, _specialization(args))
+    device = inputs[0].get_device()
+    key = (id(kernel), meta_key, device, _specialization(inputs, scalars))
     cached = _CACHE.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)

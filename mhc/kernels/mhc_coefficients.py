@@ -48,6 +48,7 @@ Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -439,14 +440,14 @@ def _split_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
-def dx_precision(x: torch.Tensor, n: int) -> str:
+def dx_precision(dtype: torch.dtype, n: int) -> str:
     """Precision of ``g @ phi^T`` in the projection backward. A bf16 ``dx`` keeps 8 significant
     bits: one tf32 product (11 bits, a third of tf32x3's tensor-core work) stays below its rounding
     (H100, n = 4: the same error against an fp32 computation, 1.66e-3, and 1.255 -> 1.125 ms for
     the coefficient backward at d = 4096). fp16 (11 bits) and fp32 keep tf32x3. Up to n = 8; at
     n = 5..8 only in the ``dx`` pass of the split backward (``projection_passes``): the one-pass
     kernel with tf32 stopped with an illegal memory access under Triton 3.6."""
-    return "tf32" if x.dtype == torch.bfloat16 and n <= 8 else "tf32x3"
+    return "tf32" if dtype == torch.bfloat16 and n <= 8 else "tf32x3"
 
 
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
@@ -631,21 +632,51 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
         return x_in, p, r, h_pre, h_post, z_res, h_res
     phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
     outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
-    sms = sm_count(x.device)
+    plan = _cached(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
+    if plan.partial is None:
+        launch(coefficients_fwd_kernel, plan.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), plan.meta,
+               plan.key)
+        return outputs
+    partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
+    launch(projection_partial_kernel, plan.grid, (x, phi), (partial,), (T, d, plan.k_split), plan.meta, plan.key)
+    launch(coefficients_finish_kernel, plan.finish_grid, (x, partial, alpha, bias), outputs,
+           (T, d, plan.partial[0], eps, hc_eps), plan.finish_meta, plan.finish_key)
+    return outputs
+
+
+def _cached(plan, T):
+    """``plan`` (an ``lru_cache``), or the function it caches where the token count is symbolic (a
+    graph traced for any count: a ``SymInt`` cannot key a cache)."""
+    return plan if type(T) is int else plan.__wrapped__
+
+
+class ForwardPlan(NamedTuple):
+    """The launches of a coefficient forward: one pass (``partial`` is ``None``), or the split over
+    ``K`` into ``partial [splits, T, width]`` followed by the finishing kernel."""
+
+    grid: tuple
+    meta: dict
+    key: tuple
+    partial: tuple | None = None
+    k_split: int = 0
+    finish_grid: tuple = ()
+    finish_meta: dict | None = None
+    finish_key: tuple = ()
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16: bool, device) -> ForwardPlan:
+    """The forward's configuration, worked out once per size (host time per launch)."""
+    sms = sm_count(device)
     config = coefficients_split_config(n, d, T, sms)
     if config is None:
-        block_t, meta, key = _fwd_meta(n, iters, hc_eps > 0, _split_bf16(x))
-        launch(coefficients_fwd_kernel, (cdiv(T, block_t),), (x, phi, alpha, bias, *outputs, T, d, eps, hc_eps),
-               meta, key)
-        return outputs
-    split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, hc_eps > 0, _split_bf16(x))
+        block_t, meta, key = _fwd_meta(n, iters, has_eps, split_bf16)
+        return ForwardPlan((cdiv(T, block_t),), meta, key)
+    split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, has_eps, split_bf16)
     block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
-    splits, k_split = k_splits(T, K, block_t, block_k, waves, x.device)
-    partial = torch.empty((splits, T, width), dtype=torch.float32, device=x.device)
-    launch(projection_partial_kernel, (cdiv(T, block_t), splits), (x, phi, partial, T, d, k_split), meta, key)
-    launch(coefficients_finish_kernel, (cdiv(T, finish_t),),
-           (x, partial, alpha, bias, *outputs, T, d, splits, eps, hc_eps), finish_meta, finish_key)
-    return outputs
+    splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
+    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, (cdiv(T, finish_t),),
+                       finish_meta, finish_key)
 
 
 def per_token_outputs(T: int, n: int, device):
@@ -666,9 +697,9 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
     block_t, meta, key = _grad_meta(n, d, has_dh_pre)
     grid_t = cdiv(T, block_t)
     partial_bias = torch.empty((grid_t, M + 3), **f32)
-    args = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-            dz_res.contiguous(), p, r, alpha.contiguous(), g, c, partial_bias, T, d, hc_eps)
-    launch(coefficient_grad_kernel, (grid_t,), args, meta, key)
+    inputs = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
+              dz_res.contiguous(), p, r, alpha.contiguous())
+    launch(coefficient_grad_kernel, (grid_t,), inputs, (g, c, partial_bias), (T, d, hc_eps), meta, key)
     return g, c, partial_bias
 
 
@@ -715,18 +746,27 @@ def coefficients_bwd_packed(
     dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
-    split_bf16, precision = _split_bf16(x), dx_precision(x, n)
+    inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
+    for part, grid, meta, key in _cached(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
+        if part != "dx":
+            partial = torch.empty((grid[1], K * M + M + 3), **f32)
+        launch(projection_bwd_kernel, grid, inputs, (dx, partial if part != "dx" else dx),
+               (T, d, grid[1], partial_bias.shape[0]), meta, key)
+    return dx, partial.sum(0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
+    """The projection backward's launches, ``((part, grid (chunks, token splits), meta, key), ...)``,
+    worked out once per size (host time per launch)."""
+    precision = dx_precision(dtype, n)
+    plan = []
     for part in projection_passes(n):
         block_t, block_d, (waves, resident), meta, key = _projection_meta(
-            n, d, x.dtype, accumulate, split_bf16, precision, part)
+            n, d, dtype, accumulate, split_bf16, precision, part)
         chunks = n * cdiv(d, block_d)
-        splits = token_splits(T, block_t, waves, chunks, x.device, resident)
-        if part != "dx":
-            partial = torch.empty((splits, K * M + M + 3), **f32)
-        args = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias, dx, partial if part != "dx" else dx, T, d,
-                splits, partial_bias.shape[0])
-        launch(projection_bwd_kernel, (chunks, splits), args, meta, key)
-    return dx, partial.sum(0)
+        plan.append((part, (chunks, token_splits(T, block_t, waves, chunks, device, resident)), meta, key))
+    return tuple(plan)
 
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
@@ -753,6 +793,13 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
 @functools.lru_cache(maxsize=256)
 def _fewest_rounds(blocks: int, chunks: int, slots: int, most: int) -> int:
     return min(range(1, most + 1), key=lambda s: (cdiv(chunks * s, slots) * cdiv(blocks, s), s))
+
+
+def forget_launch_plans() -> None:
+    """Clear the launchers' cached configurations and plans: for tests and sweeps that replace the
+    functions they are made from (``sm_count``, ``token_splits``, the tile configurations)."""
+    for cached in (_fwd_meta, _split_meta, _grad_meta, _projection_meta, _forward_plan, _projection_plan):
+        cached.cache_clear()
 
 
 MIN_SPLIT_BLOCKS = 4

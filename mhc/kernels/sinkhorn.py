@@ -236,7 +236,7 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     if T == 0:
         return out
     block_t, meta, key = _fwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_fwd_kernel, (cdiv(T, block_t),), (logits, out, T), meta, key)
+    launch(sinkhorn_fwd_kernel, (cdiv(T, block_t),), (logits,), (out,), (T,), meta, key)
     return out
 
 
@@ -264,9 +264,16 @@ def backward_schedule(iters: int, n: int) -> dict:
 
 def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """Exact backward launcher: ``dL/dlogits [T, n, n]`` of the ``iters``-step map, from the logits."""
-    T, n = check_matrices(logits, "logits", MAX_N)
+    check_matrices(logits, "logits", MAX_N)
     check_tensor(grad_out, "grad_out", logits.shape, device=logits.device)
     check_positive(iters, "iters")
+    return sinkhorn_bwd_unchecked(logits, grad_out, iters)
+
+
+def sinkhorn_bwd_unchecked(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
+    """:func:`sinkhorn_bwd` without the argument checks (host time per launch), for autograd
+    backwards: their saved tensors and incoming gradients are right by construction."""
+    T, n = logits.shape[0], logits.shape[-1]
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_bwd(logits, grad_out, iters)
     logits = logits.contiguous()
@@ -275,5 +282,5 @@ def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> to
     if T == 0:
         return grad_in
     block_t, meta, key = _bwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out, grad_in, T), meta, key)
+    launch(sinkhorn_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out), (grad_in,), (T,), meta, key)
     return grad_in

@@ -184,9 +184,9 @@ def _meta(n: int, iters: int, fp64: bool):
     return block_t, dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps), (n, iters, fp64)
 
 
-def _launch(kernel, tensors, T: int, n: int, iters: int, eps: float) -> None:
-    block_t, meta, key = _meta(n, iters, tensors[0].dtype == torch.float64)
-    launch(kernel, (cdiv(T, block_t),), (*tensors, T, eps), meta, key)
+def _launch(kernel, inputs, output, T: int, n: int, iters: int, eps: float) -> None:
+    block_t, meta, key = _meta(n, iters, inputs[0].dtype == torch.float64)
+    launch(kernel, (cdiv(T, block_t),), inputs, (output,), (T, eps), meta, key)
 
 
 def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -197,18 +197,25 @@ def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tens
     logits = logits.contiguous()
     out = torch.empty_like(logits)
     if T:
-        _launch(sinkhorn_eps_fwd_kernel, (logits, out), T, n, iters, eps)
+        _launch(sinkhorn_eps_fwd_kernel, (logits,), out, T, n, iters, eps)
     return out
 
 
 def sinkhorn_eps_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Exact backward of :func:`sinkhorn_eps_fwd`: ``dL/dlogits [T, n, n]`` from the logits."""
-    T, n = check_matrices(logits, "logits", MAX_EPS_N)
+    check_matrices(logits, "logits", MAX_EPS_N)
     check_tensor(grad_out, "grad_out", logits.shape, device=logits.device)
     check_positive(iters, "iters")
     check_positive(eps, "eps", integer=False)
+    return sinkhorn_eps_bwd_unchecked(logits, grad_out, iters, eps)
+
+
+def sinkhorn_eps_bwd_unchecked(logits: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """:func:`sinkhorn_eps_bwd` without the argument checks, as
+    :func:`mhc.kernels.sinkhorn.sinkhorn_bwd_unchecked`."""
+    T, n = logits.shape[0], logits.shape[-1]
     logits = logits.contiguous()
     grad_in = torch.empty_like(logits)
     if T:
-        _launch(sinkhorn_eps_bwd_kernel, (logits, grad_out.contiguous(), grad_in), T, n, iters, eps)
+        _launch(sinkhorn_eps_bwd_kernel, (logits, grad_out.contiguous()), grad_in, T, n, iters, eps)
     return grad_in

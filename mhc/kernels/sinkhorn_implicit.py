@@ -81,8 +81,15 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
 
     ``n >= TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
     """
-    T, n = check_matrices(out, "out", MAX_N)
+    check_matrices(out, "out", MAX_N)
     check_tensor(grad_out, "grad_out", out.shape, device=out.device)
+    return sinkhorn_implicit_bwd_unchecked(out, grad_out)
+
+
+def sinkhorn_implicit_bwd_unchecked(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """:func:`sinkhorn_implicit_bwd` without the argument checks, as
+    :func:`mhc.kernels.sinkhorn.sinkhorn_bwd_unchecked`."""
+    T, n = out.shape[0], out.shape[-1]
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_implicit_bwd(out, grad_out)
     out = out.contiguous()
@@ -93,6 +100,6 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
     fp64 = out.dtype == torch.float64
     np2, block_t, num_warps = launch_config(n, IMPLICIT_VALUES_PER_THREAD)
     meta = dict(N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out, grad_in, T), meta,
+    launch(sinkhorn_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out), (grad_in,), (T,), meta,
            ("sinkhorn_implicit_bwd", n, fp64))
     return grad_in

@@ -381,7 +381,7 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     block_t, ri, num_warps = _config(n, "fwd")
     fp64 = logits.dtype == torch.float64
     meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_tiled_fwd_kernel, (cdiv(T, block_t),), (logits, out, T, iters), meta,
+    launch(sinkhorn_tiled_fwd_kernel, (cdiv(T, block_t),), (logits,), (out,), (T, iters), meta,
            ("sinkhorn_tiled_fwd", n, rs, fp64))
     return out
 
@@ -396,7 +396,7 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     fp64 = logits.dtype == torch.float64
     meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg, SEGP=max(VEC.value, next_pow2(seg + 1)),
                 RECOMPUTE_R1=recompute_r1, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_tiled_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out, grad_in, T, iters), meta,
+    launch(sinkhorn_tiled_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out), (grad_in,), (T, iters), meta,
            ("sinkhorn_tiled_bwd", n, rs, fp64))
     return grad_in
 
@@ -410,6 +410,6 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
     fp64 = out.dtype == torch.float64
     meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, CG_TOL=1e-13 if fp64 else 1e-6,
                 num_warps=num_warps)
-    launch(sinkhorn_tiled_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out, grad_in, T), meta,
+    launch(sinkhorn_tiled_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out), (grad_in,), (T,), meta,
            ("sinkhorn_tiled_implicit_bwd", n, rs, fp64))
     return grad_in

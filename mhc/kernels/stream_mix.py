@@ -274,11 +274,14 @@ def _per_token(c: torch.Tensor | None, per_token: int):
     """``(c, token stride)``: fp32 coefficients whose token stride is 0 (shared) or dense."""
     if c is None:
         return None, 0
-    # a token's coefficients are read as one dense block; tokens at stride 0 or per_token
-    dense_rows = c.stride(-1) == 1 and (c.dim() == 2 or c.stride(1) == c.shape[2])
-    if not dense_rows or (c.shape[0] > 1 and c.stride(0) not in (0, per_token)):
+    # a token's coefficients are read as one dense block; tokens at stride 0 or per_token. (One
+    # call for the strides and one for the shape: this runs on every launch.)
+    shape, stride = c.shape, c.stride()
+    dense_rows = stride[-1] == 1 and (len(shape) == 2 or stride[1] == shape[2])
+    if not dense_rows or (shape[0] > 1 and stride[0] not in (0, per_token)):
         c = c.contiguous()
-    return c, (0 if c.shape[0] == 1 else c.stride(0))
+        stride = c.stride()
+    return c, (0 if shape[0] == 1 else stride[0])
 
 
 def _check_mix(x, w, y, b):
@@ -328,8 +331,8 @@ def stream_mix_fwd_unchecked(x, w, y=None, b=None):
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
     block_t, block_d, meta, key = _fwd_meta(n, n_out, d, has_y)
-    launch(stream_mix_fwd_kernel, (cdiv(T, block_t), cdiv(d, block_d)),
-           (x, y if has_y else x, w, b if has_y else w, out, T, d, stride_w, stride_b), meta, key)
+    launch(stream_mix_fwd_kernel, (cdiv(T, block_t), cdiv(d, block_d)), (x, y if has_y else x, w, b if has_y else w),
+           (out,), (T, d, stride_w, stride_b), meta, key)
     return out
 
 
@@ -376,7 +379,8 @@ def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
     block_t, meta, key = _bwd_meta(n, n_out, d, has_y, need_grad_x, accumulate)
-    args = (x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x,
-            dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw, T, d, stride_w, stride_b)
-    launch(stream_mix_bwd_kernel, (cdiv(T, block_t),), args, meta, key)
+    inputs = (x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x)
+    # in place of an output not written: an input, or dw
+    outputs = (dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw)
+    launch(stream_mix_bwd_kernel, (cdiv(T, block_t),), inputs, outputs, (T, d, stride_w, stride_b), meta, key)
     return dx, dy, dw, db
