@@ -2,7 +2,7 @@
 # Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
 # GPT step at small and large token counts, eager / compiled / CUDA graphs, the host profile, the
 # graph-captured site and its kernels, the coefficient kernels' small-token sweep, V4 decoding.
-#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|compile|host|host-compiled|large|site|site-ab|sweep|decode|table-1024|table-4096
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|eager-ab|compile|host|host-compiled|large|site|site-ab|sweep|decode|table-1024|table-4096
 set -uo pipefail
 out=${OUT:-results}
 mkdir -p "$out"
@@ -19,7 +19,7 @@ for stage in "$@"; do
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
       python3 -m pytest -q -p no:cacheprovider $workers tests/test_small_tokens.py tests/test_coefficient_backward.py \
         tests/test_compiled_gpu.py tests/test_export.py tests/test_capture_gpu.py tests/test_mixing_gpu.py \
-        tests/test_mixing_fused.py tests/test_mixing_chain_gpu.py tests/test_sinkhorn_gpu.py 2>&1 | tee "$out/tests.log" ;;
+        tests/test_mixing_fused.py tests/test_mixing_chain_gpu.py tests/test_sinkhorn_gpu.py tests/test_launch.py 2>&1 | tee "$out/tests.log" ;;
     gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
              --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);
@@ -38,6 +38,13 @@ for stage in "$@"; do
         ( [ $arm = before ] && export PYTHONPATH=$PWD/.old:$PYTHONPATH
           python3 scripts/site_kernels.py --dims 1024 4096 --tokens 1024 2048 4096 16384 \
             --out "$out/site_kernels_$arm.txt" 2>&1 | tee "$out/site_$arm.log" )
+      done ;;
+    eager-ab)  # the eager GPT at 2k tokens pinned to one host core, before (.old/) and after, alternated
+      for arm in before after before after; do
+        [ $arm = before ] && { [ -d .old/mhc ] || continue; }
+        ( [ $arm = before ] && export PYTHONPATH=$PWD/.old:$PYTHONPATH
+          echo "## $arm"; taskset -c 5 $bench --models 1024 --arms plain mhc mhc-chain --modes eager --batch 2 \
+            --seq 1024 --out-dir "$out/eager_ab_$arm" ) 2>&1 | tee -a "$out/eager_ab.log"
       done ;;
     sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
     decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;

@@ -94,31 +94,32 @@ def _gates(alpha_ptr):
 def coefficients_epilogue(
     acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr,
     p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, STORE: tl.constexpr = True,
 ):
     """From the projection ``acc = v @ phi`` and the sum of squares of the tokens ``o_t``: store
-    ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits; return the
-    ``[pre | post]`` tile of gates (``h_pre`` without ``hc_eps`` on its pre columns)."""
+    ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits (unless ``STORE`` is
+    False); return the ``[pre | post]`` tile of gates (``h_pre`` without ``hc_eps`` on its pre
+    columns)."""
     M: tl.constexpr = 2 * N + N * N
     o_pp, m_pre, m_post = _column_groups(N, NPP)
-    o_res = tl.arange(0, NRES)
-    m_res = o_res < N * N
     r = 1.0 / tl.sqrt(sum_sq / K + eps)
     p_pp = acc_pp * r[:, None]
-    p_res = acc_res * r[:, None]
     m_t = t_ok[:, None]
-    tl.store(r_ptr + o_t, r, mask=t_ok)
-    tl.store(p_ptr + o_t[:, None] * M + o_pp[None, :], p_pp, mask=m_t & (o_pp < 2 * N)[None, :])
-    tl.store(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], p_res, mask=m_t & m_res[None, :])
-
     a_pre, a_post, a_res = _gates(alpha_ptr)
     # bias = [b_pre | b_post | vec(b_res)]: the [pre | post] tile's columns are its first 2N entries
     bias_pp = tl.load(bias_ptr + o_pp, mask=o_pp < 2 * N, other=0.0).to(tl.float32)
     h_pp = tl.sigmoid(tl.where(m_pre, a_pre, a_post)[None, :] * p_pp + bias_pp[None, :])
-    tl.store(h_pre_ptr + o_t[:, None] * N + o_pp[None, :], h_pp + hc_eps, mask=m_t & m_pre[None, :])
-    tl.store(h_post_ptr + o_t[:, None] * N + (o_pp - N)[None, :], 2.0 * h_pp, mask=m_t & m_post[None, :])
-    z_res = a_res * p_res + tl.load(bias_ptr + 2 * N + o_res, mask=m_res, other=0.0).to(tl.float32)[None, :]
-    tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
+    if STORE:
+        o_res = tl.arange(0, NRES)
+        m_res = o_res < N * N
+        p_res = acc_res * r[:, None]
+        tl.store(r_ptr + o_t, r, mask=t_ok)
+        tl.store(p_ptr + o_t[:, None] * M + o_pp[None, :], p_pp, mask=m_t & (o_pp < 2 * N)[None, :])
+        tl.store(p_ptr + o_t[:, None] * M + 2 * N + o_res[None, :], p_res, mask=m_t & m_res[None, :])
+        tl.store(h_pre_ptr + o_t[:, None] * N + o_pp[None, :], h_pp + hc_eps, mask=m_t & m_pre[None, :])
+        tl.store(h_post_ptr + o_t[:, None] * N + (o_pp - N)[None, :], 2.0 * h_pp, mask=m_t & m_post[None, :])
+        z_res = a_res * p_res + tl.load(bias_ptr + 2 * N + o_res, mask=m_res, other=0.0).to(tl.float32)[None, :]
+        tl.store(z_res_ptr + o_t[:, None] * (N * N) + o_res[None, :], z_res, mask=m_t & m_res[None, :])
     return h_pp
 
 
@@ -248,8 +249,12 @@ def coefficients_finish_kernel(
     x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
     T, D, splits, eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
-    HAS_EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROLES: tl.constexpr,
 ):
+    """``ROLES``: a grid ``(token tiles, 2)`` whose two programs per tile run side by side, the
+    first the coefficients and their Sinkhorn (latency: serial iterations), the second the
+    pre-mix (bytes: ``x`` read once more); both add up the partial projections. Otherwise one
+    program per tile does both, one after the other."""
     W: tl.constexpr = NPP + NRES + 1
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -262,12 +267,26 @@ def coefficients_finish_kernel(
         acc_pp += tl.load(row[:, None] + tl.arange(0, NPP)[None, :], mask=t_ok[:, None], other=0.0)
         acc_res += tl.load(row[:, None] + NPP + tl.arange(0, NRES)[None, :], mask=t_ok[:, None], other=0.0)
         sum_sq += tl.load(row + NPP + NRES, mask=t_ok, other=0.0)
-    h_pp = coefficients_epilogue(
-        acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
-        h_post_ptr, z_res_ptr, N, NPP, NRES,
-    )
-    pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
-    sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
+    if ROLES:
+        if tl.program_id(1) == 0:
+            coefficients_epilogue(
+                acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
+                h_post_ptr, z_res_ptr, N, NPP, NRES,
+            )
+            sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
+        else:
+            h_pp = coefficients_epilogue(
+                acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr,
+                h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES, False,
+            )
+            pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
+    else:
+        h_pp = coefficients_epilogue(
+            acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
+            h_post_ptr, z_res_ptr, N, NPP, NRES,
+        )
+        pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
+        sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["T", "hc_eps"])
@@ -565,10 +584,10 @@ def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, spl
                    num_stages=num_stages)
     finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few)
     finish = dict(**cols, NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
-                  BLOCK_D=finish_d, num_warps=finish_warps)
+                  BLOCK_D=finish_d, ROLES=few, num_warps=finish_warps)
     width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
     return (block_t, block_k, waves, width, partial, ("projection_partial", config, n, split_bf16),
-            finish_t, finish, ("coefficients_finish", finish_config, n, iters, has_eps))
+            finish_t, finish, ("coefficients_finish", finish_config, n, iters, has_eps, few))
 
 
 def coefficient_grad_config(n: int, d: int) -> tuple[int, int, int]:
@@ -675,7 +694,8 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
     split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, has_eps, split_bf16)
     block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
     splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
-    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, (cdiv(T, finish_t),),
+    finish_grid = (cdiv(T, finish_t), 2 if finish_meta["ROLES"] else 1)
+    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, finish_grid,
                        finish_meta, finish_key)
 
 
