@@ -143,6 +143,30 @@ def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_s
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("mixers", [1, 2, 3, 5])
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_pre_mix_programs_cover_every_channel_once(tokens, mixers, h100_sms, monkeypatch, nan_poison):
+    """The small-token finishing kernel with 1-5 pre-mix programs per token tile over 3 channel
+    chunks (the last program's share partly or wholly past the end), against one pass."""
+    dim = 3 * mhc_coefficients.coefficients_finish_config(N, True)[1]
+    g = torch.Generator().manual_seed(tokens + mixers)
+    K, M = N * dim, 2 * N + N * N
+    x = torch.randn(tokens, N, dim, generator=g).to(DEVICE)
+    phi = (torch.randn(K, M, generator=g) / K**0.5).to(DEVICE)
+    alpha, bias = (torch.rand(3, generator=g) + 0.5).to(DEVICE), (0.1 * torch.randn(M, generator=g)).to(DEVICE)
+    monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)
+    monkeypatch.setattr(mhc_coefficients, "pre_mix_programs", lambda tiles, chunks, sms: mixers)
+    outputs = {}
+    for split in (None, SMALL_SPLIT):
+        monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
+        mhc_coefficients.forget_launch_plans()
+        outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+    plan = mhc_coefficients._forward_plan(N, dim, tokens, 20, False, mhc_coefficients._split_bf16(x), x.device)
+    assert plan.finish_grid[1] == 1 + min(mixers, 3)  # a program per share: (3 / mixers rounded up) chunks
+    for name, got, want in zip(FORWARD, outputs[SMALL_SPLIT], outputs[None]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65, 255, 256, 257, 1024] + ([4096] if HAS_CUDA else []))
 def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sms, monkeypatch, nan_poison):
     x, phi, alpha, bias = _inputs(tokens, seed=tokens + 1)

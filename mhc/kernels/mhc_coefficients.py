@@ -125,18 +125,18 @@ def coefficients_epilogue(
 
 @triton.jit
 def pre_mix_pass(
-    x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D,
+    x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, chunks,
     N: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``x_in = sum_j h_pre[j] x[j]`` over the tokens ``o_t`` of ``x [T, N, D]``, last chunks first
-    (the most recently read or written, the likeliest still in L2)."""
+    """``x_in = sum_j h_pre[j] x[j]`` over the tokens ``o_t`` of ``x [T, N, D]`` and the ``chunks``
+    channel chunks (``BLOCK_D`` wide) from ``first_chunk`` on, last chunks first (the most recently
+    read or written, the likeliest still in L2)."""
     o_pp = tl.arange(0, NPP)
     h_pre = ()
     for j in tl.static_range(N):
         h_pre = h_pre + (tl.sum(tl.where(o_pp[None, :] == j, h_pp, 0.0), axis=1) + hc_eps,)
-    n_d = tl.cdiv(D, BLOCK_D)
-    for i_rev in range(n_d):
-        o_d = (n_d - 1 - i_rev) * BLOCK_D + tl.arange(0, BLOCK_D)
+    for i_rev in range(chunks):
+        o_d = (first_chunk + chunks - 1 - i_rev) * BLOCK_D + tl.arange(0, BLOCK_D)
         m = t_ok[:, None] & (o_d < D)[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(N):
@@ -214,7 +214,7 @@ def coefficients_fwd_kernel(
         acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
         h_post_ptr, z_res_ptr, N, NPP, NRES,
     )
-    pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_K)
+    pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, 0, tl.cdiv(D, BLOCK_K), N, NPP, BLOCK_T, BLOCK_K)
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
@@ -241,20 +241,21 @@ def projection_partial_kernel(
     tl.store(row + NPP + NRES, sum_sq, mask=t_ok)
 
 
-@triton.jit(do_not_specialize=["T", "splits", "eps", "hc_eps"])
+@triton.jit(do_not_specialize=["T", "splits", "mix_chunks", "eps", "hc_eps"])
 def coefficients_finish_kernel(
     # the coefficient forward's epilogue after projection_partial_kernel: arguments as
     # coefficients_fwd_kernel's, with partial [splits, T, NPP + NRES + 1] in place of phi
     x_ptr, partial_ptr, alpha_ptr, bias_ptr,
     x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
-    T, D, splits, eps, hc_eps,
+    T, D, splits, mix_chunks, eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
     HAS_EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROLES: tl.constexpr,
 ):
-    """``ROLES``: a grid ``(token tiles, 2)`` whose two programs per tile run side by side, the
-    first the coefficients and their Sinkhorn (latency: serial iterations), the second the
-    pre-mix (bytes: ``x`` read once more); both add up the partial projections. Otherwise one
-    program per tile does both, one after the other."""
+    """``ROLES``: a grid ``(token tiles, 1 + pre-mix programs)`` whose programs of a tile run side
+    by side: the first the coefficients and their Sinkhorn (latency: serial iterations), the
+    others the pre-mix, ``mix_chunks`` channel chunks each (bytes: ``x`` read once more, by more
+    programs than there are tiles); each adds up the partial projections. Otherwise one program
+    per tile does both jobs, one after the other."""
     W: tl.constexpr = NPP + NRES + 1
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -279,13 +280,15 @@ def coefficients_finish_kernel(
                 acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr,
                 h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES, False,
             )
-            pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
+            first_chunk = (tl.program_id(1) - 1) * mix_chunks
+            pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, mix_chunks, N, NPP, BLOCK_T,
+                         BLOCK_D)
     else:
         h_pp = coefficients_epilogue(
             acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
             h_post_ptr, z_res_ptr, N, NPP, NRES,
         )
-        pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, N, NPP, BLOCK_T, BLOCK_D)
+        pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, 0, tl.cdiv(D, BLOCK_D), N, NPP, BLOCK_T, BLOCK_D)
         sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
 
@@ -659,7 +662,7 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
     launch(projection_partial_kernel, plan.grid, (x, phi), (partial,), (T, d, plan.k_split), plan.meta, plan.key)
     launch(coefficients_finish_kernel, plan.finish_grid, (x, partial, alpha, bias), outputs,
-           (T, d, plan.partial[0], eps, hc_eps), plan.finish_meta, plan.finish_key)
+           (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps), plan.finish_meta, plan.finish_key)
     return outputs
 
 
@@ -681,6 +684,7 @@ class ForwardPlan(NamedTuple):
     finish_grid: tuple = ()
     finish_meta: dict | None = None
     finish_key: tuple = ()
+    mix_chunks: int = 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -694,9 +698,21 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
     split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, has_eps, split_bf16)
     block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
     splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
-    finish_grid = (cdiv(T, finish_t), 2 if finish_meta["ROLES"] else 1)
-    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, finish_grid,
-                       finish_meta, finish_key)
+    tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_meta["BLOCK_D"])
+    mixers = pre_mix_programs(tiles, chunks, sms) if finish_meta["ROLES"] else 0
+    mix_chunks = cdiv(chunks, mixers) if mixers else chunks
+    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split,
+                       (tiles, 1 + (cdiv(chunks, mix_chunks) if mixers else 0)), finish_meta, finish_key, mix_chunks)
+
+
+def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
+    """Pre-mix programs per token tile of the small-token finishing kernel: about
+    ``PRE_MIX_WAVES`` per SM over all tiles, at most one per channel chunk. One program per tile
+    keeps a few KiB of ``x`` in flight per SM, far from what the H100's bandwidth needs."""
+    return max(1, min(chunks, round(PRE_MIX_WAVES * sms / tiles)))
+
+
+PRE_MIX_WAVES = 4
 
 
 def per_token_outputs(T: int, n: int, device):
