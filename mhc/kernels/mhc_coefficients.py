@@ -646,7 +646,7 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
     whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
     *lead, n, d = x.shape
-    T, K = math.prod(lead), n * d
+    T = math.prod(lead)
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
