@@ -36,7 +36,7 @@ def test_launch_outputs_are_fresh_buffers_of_the_inputs_dtypes(monkeypatch):
 
     from mhc.layer import sinkhorn
 
-    launched = []
+    launched, launch = [], _launch.launch
 
     def checking(kernel, grid, inputs, outputs, scalars, meta, meta_key):
         for out in outputs:
@@ -49,7 +49,6 @@ def test_launch_outputs_are_fresh_buffers_of_the_inputs_dtypes(monkeypatch):
         launched.append(kernel.fn.__name__)
         launch(kernel, grid, inputs, outputs, scalars, meta, meta_key)
 
-    launch = _launch.launch
     for name in KERNEL_MODULES:
         monkeypatch.setattr(importlib.import_module("mhc.kernels." + name), "launch", checking)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,9 +12,9 @@ input tensor its dtype and whether its address is a multiple of 16, per scalar a
 range, whether it is 1 and whether it is a multiple of 16, the type of anything else. A launcher
 passes the tensors it has just allocated for the kernel to write apart (``outputs``), and they are
 not part of the key: the allocator's blocks are aligned to far more than 16 bytes, and their dtypes
-follow from the inputs' and the meta-parameters (an input's dtype, or fp32). Reading a tensor's
-dtype and address costs about 0.3 us on the host, and a site's launches take 23 such outputs. So
-the key is at least as fine as Triton's own, and a cached kernel is one that ``kernel[grid]``
+follow from the inputs' and the meta-parameters (an input's dtype, or fp32). (Reading a tensor's
+dtype and address costs about 0.3 us on the host, and a site's launches pass 23 such outputs.)
+The key is at least as fine as Triton's own, so a cached kernel is one that ``kernel[grid]``
 would have picked. A miss goes through ``kernel[grid]`` (which compiles or finds the kernel) and
 stores what it returns.
 

@@ -699,10 +699,13 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
     block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
     splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
     tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_meta["BLOCK_D"])
-    mixers = pre_mix_programs(tiles, chunks, sms) if finish_meta["ROLES"] else 0
-    mix_chunks = cdiv(chunks, mixers) if mixers else chunks
-    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split,
-                       (tiles, 1 + (cdiv(chunks, mix_chunks) if mixers else 0)), finish_meta, finish_key, mix_chunks)
+    if finish_meta["ROLES"]:  # a program for the coefficients, then one per share of the chunks
+        mix_chunks = cdiv(chunks, pre_mix_programs(tiles, chunks, sms))
+        finish_grid = (tiles, 1 + cdiv(chunks, mix_chunks))
+    else:
+        mix_chunks, finish_grid = chunks, (tiles,)
+    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, finish_grid,
+                       finish_meta, finish_key, mix_chunks)
 
 
 def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
