@@ -5,7 +5,7 @@ over token counts, and the site's kernels one by one against the copy time of th
     python scripts/site_kernels.py [--dims 1024 4096] [--tokens 1024 2048 4096 8192 16384] [--out site_kernels.txt]
 
 Block times: graph replays timed by ``triton.testing.do_bench`` (median), the two arms interleaved
-over 3 rounds; the ratio is the median of the within-round ratios. A site moves ``100 d`` bytes
+over 5 rounds; the ratio is the median of the within-round ratios. A site moves ``100 d`` bytes
 per token in bf16 (streams of ``8 d`` bytes read or written 11 times, the branch's ``2 d`` bytes 6
 times); ``copy`` is that at the device's copy rate. Kernel times: ``torch.profiler`` over 10 graph
 replays, per replay: what each kernel name adds over the plain block.
@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--n", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the two arms")
     p.add_argument("--out", default="site_kernels.txt")
     args = p.parse_args()
     copy_gbps = bench.copy_bandwidth()
@@ -84,7 +85,7 @@ def main() -> None:
         for tokens in args.tokens:
             graphs = {arm: captured_step(arm, dim, args.n, tokens) for arm in ("plain", "mhc")}
             times = {arm: [] for arm in graphs}
-            for _ in range(3):
+            for _ in range(args.rounds):
                 for arm, (graph, _) in graphs.items():
                     times[arm].append(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
             plain, mhc = statistics.median(times["plain"]), statistics.median(times["mhc"])

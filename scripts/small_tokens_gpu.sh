@@ -19,7 +19,7 @@ for stage in "$@"; do
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
       python3 -m pytest -q -p no:cacheprovider $workers tests/test_small_tokens.py tests/test_coefficient_backward.py \
         tests/test_compiled_gpu.py tests/test_export.py tests/test_capture_gpu.py tests/test_mixing_gpu.py \
-        tests/test_mixing_fused.py tests/test_mixing_chain_gpu.py tests/test_sinkhorn_gpu.py tests/test_launch.py 2>&1 | tee "$out/tests.log" ;;
+        tests/test_mixing_fused.py tests/test_mixing_chain_gpu.py tests/test_sinkhorn_gpu.py tests/test_launch.py tests/test_losses_gpu.py 2>&1 | tee "$out/tests.log" ;;
     gpt-2k) $bench --models 1024 --arms plain mhc mhc-chain --modes eager compiled graphs --batch 2 --seq 1024 \
              --out-dir "$out/gpt_2k" 2>&1 | tee "$out/gpt_2k.log" ;;
     compile)  # the first compiled step with and without the write-analysis cache (mhc/_write_analysis.py);

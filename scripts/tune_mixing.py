@@ -2,7 +2,7 @@
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
                                   [coefficients] [coefficients-split] [small-tokens] [small-tokens-epilogues]
-                                  [mix-bwd] [n=8]
+                                  [small-tokens-mix] [mix-bwd] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -46,9 +46,7 @@ def _uncached():
     """Sweeps replace the launchers' config functions: forget the configurations the launchers
     cached, and launch through ``kernel[grid]`` (which the sweeps intercept to read registers)."""
     _launch.FAST = False
-    for meta in (stream_mix._fwd_meta, stream_mix._bwd_meta):
-        meta.cache_clear()
-    mhc_coefficients.forget_launch_plans()
+    _launch.forget_launch_plans()
 
 
 def compile_times():
@@ -410,7 +408,7 @@ def sweep_small_tokens_epilogues():
     and warps, at 1k-4k tokens and at 16k (no loss there)."""
     finishes = [(32, 128, 4), (16, 128, 4), (16, 256, 4), (16, 64, 4), (8, 128, 4), (16, 128, 2)]
     grads = [(8, 128, 4), (4, 128, 4), (4, 256, 4), (16, 128, 4), (8, 256, 4), (8, 128, 8), (16, 256, 8), (4, 128, 2)]
-    originals = mhc_coefficients.coefficients_finish_config, mhc_coefficients.coefficient_grad_config
+    original = mhc_coefficients.coefficients_finish_config
     for dim in (1024, 4096):
         for T in (1024, 2048, 4096, 16384):
             x, phi, alpha, bias = _inputs(dim, STREAMS, T)
@@ -420,17 +418,22 @@ def sweep_small_tokens_epilogues():
                 mhc_coefficients.coefficients_finish_config = lambda n, few, cfg=cfg: cfg
                 _uncached()
                 _time_graph(f"fwd d={dim} T={T} split {split} finish {cfg}", fwd, 2 * x.numel() * 2)
-            mhc_coefficients.coefficients_finish_config = originals[0]
-            _, p, r, h_pre, h_post, z_res, _ = kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+            mhc_coefficients.coefficients_finish_config = original
             g_in = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-            grad = lambda: mhc_coefficients.coefficient_grad(
-                x, alpha, p, r, h_pre, h_post, None, h_post, z_res, g_in, 0.0)
-            for cfg in grads:
-                mhc_coefficients.coefficient_grad_config = lambda n, d, cfg=cfg: cfg
-                _uncached()
-                _time_graph(f"coefficient grad d={dim} T={T} {cfg}", grad, x.numel() * 2 + g_in.numel() * 2)
-            mhc_coefficients.coefficient_grad_config = originals[1]
+            _sweep_coefficient_grad(x, phi, alpha, bias, g_in, grads)
     _uncached()
+
+
+def _sweep_coefficient_grad(x, phi, alpha, bias, g_in, configs):
+    """The coefficient-gradient kernel over ``configs`` (``coefficient_grad_config``'s tuples)."""
+    (T, _, dim), original = x.shape, mhc_coefficients.coefficient_grad_config
+    _, p, r, h_pre, h_post, z_res, _ = kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+    grad = lambda: mhc_coefficients.coefficient_grad(x, alpha, p, r, h_pre, h_post, None, h_post, z_res, g_in, 0.0)
+    for cfg in configs:
+        mhc_coefficients.coefficient_grad_config = lambda n, d, tokens, sms, cfg=cfg: cfg
+        _uncached()
+        _time_graph_or_fail(f"coefficient grad d={dim} T={T} {cfg}", grad, x.numel() * 2 + g_in.numel() * 2)
+    mhc_coefficients.coefficient_grad_config = original
 
 
 def sweep_small_tokens_projection():
@@ -455,6 +458,40 @@ def sweep_small_tokens_projection():
     _uncached()
 
 
+def sweep_small_tokens_mix():
+    """The two launches that run a program per few tokens over all of ``D`` where tokens are few:
+    the post-mix backward (``stream_mix_bwd``, n = 4 streams out) and the coefficient-gradient
+    kernel, over ``(BLOCK_T, BLOCK_D, num_warps)`` at 1k-4k tokens and at 16k (no loss there),
+    d = 1024 and 4096, timed from CUDA-graph replays."""
+    mixes = [(4, 256, 4), (2, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 256, 4), (1, 512, 4), (2, 512, 8),
+             (1, 512, 2), (1, 256, 2)]
+    grads = [(4, 128, 4), (2, 256, 4), (1, 512, 4), (1, 1024, 4), (2, 512, 4), (1, 256, 2), (2, 128, 2),
+             (1, 1024, 8), (1, 512, 2)]
+    original = stream_mix._bwd_config
+    for dim in (1024, 4096):
+        for T in (1024, 2048, 4096, 16384):
+            x, phi, alpha, bias = _inputs(dim, STREAMS, T)
+            y = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+            w, b = torch.rand(T, STREAMS, STREAMS, device="cuda"), torch.rand(T, STREAMS, device="cuda")
+            g = torch.randn_like(x)
+            mix = lambda: kernels.stream_mix_bwd(x, w, y, b, g)
+            for cfg in mixes:
+                stream_mix._bwd_config = lambda n, n_out, d, cfg=cfg: cfg
+                _uncached()
+                _time_graph_or_fail(f"mix bwd d={dim} T={T} {cfg}", mix, 3 * x.numel() * 2 + 2 * y.numel() * 2)
+            stream_mix._bwd_config = original
+            _sweep_coefficient_grad(x, phi, alpha, bias, y, grads)
+    _uncached()
+
+
+def _time_graph_or_fail(label, call, nbytes):
+    try:
+        return _time_graph(label, call, nbytes)
+    except Exception as e:  # a configuration that does not compile or run
+        print(f"  {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
 def sweep_mix_bwd():
     """Post + residual backward (N_OUT = n) at d = 4096, n = 6 and 8: unrolled stream tiles against
     the wide 3-D path (streams padded to 16 for its batched dot), over tile shapes."""
@@ -472,7 +509,7 @@ def sweep_mix_bwd():
             variants += [("wide", False, c) for c in ((4, 64), (8, 32), (2, 128), (8, 64), (16, 16))]
             for name, unrolled, cfg in variants:
                 stream_mix._unroll = lambda n, n_out, u=unrolled: dict(UNROLL=u, NP=max(16, stream_mix.next_pow2(n)))
-                stream_mix._bwd_config = lambda n, n_out, d, cfg=cfg: cfg
+                stream_mix._bwd_config = lambda n, n_out, d, cfg=cfg: (*cfg, 4)
                 _uncached()
                 _time(f"mix bwd d={dim} n={n} {name} {cfg}", lambda: kernels.stream_mix_bwd(x, w, y, b, g), nbytes)
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
@@ -489,7 +526,8 @@ if __name__ == "__main__":
                      ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
                      ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
                      ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues),
-                     ("small-tokens-projection", sweep_small_tokens_projection)):
+                     ("small-tokens-projection", sweep_small_tokens_projection),
+                     ("small-tokens-mix", sweep_small_tokens_mix)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

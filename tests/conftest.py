@@ -43,11 +43,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def fresh_launch_plans():
-    """Forget the coefficient launchers' cached plans around every test: tests replace the
-    functions the plans are made from (``sm_count``, ``token_splits``, the tile configurations)."""
+    """Forget the launchers' cached plans around every test: tests replace the functions the plans
+    are made from (``sm_count``, ``token_splits``, the tile configurations)."""
 
     def clear():
-        module = sys.modules.get("mhc.kernels.mhc_coefficients")
+        module = sys.modules.get("mhc.kernels._launch")
         if module is not None:
             module.forget_launch_plans()
 

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
 from mhc.kernels import mhc_coefficients
+from mhc.kernels._launch import forget_launch_plans
 
 DEVICE = KERNEL_DEVICE
 DIM = 1024 if HAS_CUDA else 24
@@ -38,8 +39,8 @@ def test_bias_sums_reduced_with_dphi_equal_the_separate_sums(n, splits, tokens, 
     grad_x_in = torch.randn(x[:, 0].shape, generator=g).to(DEVICE)
     monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: splits)
     monkeypatch.setattr(mhc_coefficients, "BIAS_TILE", 2)  # several tiles of rows per split
-    mhc_coefficients.forget_launch_plans()
-    request.addfinalizer(mhc_coefficients.forget_launch_plans)
+    forget_launch_plans()
+    request.addfinalizer(forget_launch_plans)
     _, _, dbias_alpha = kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, dh_post, dz_res,
                                                  grad_x_in)
     _, _, partial_bias = mhc_coefficients.coefficient_grad(x, alpha, p, r, h_pre, h_post, None, dh_post, dz_res,

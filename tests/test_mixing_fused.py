@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
 from mhc.kernels import mhc_coefficients
+from mhc.kernels._launch import forget_launch_plans
 from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
 
 DEVICE = KERNEL_DEVICE
@@ -100,7 +101,7 @@ def _forced_split(monkeypatch, split: bool):
     tiles = SPLIT_TILES
     monkeypatch.setattr(mhc_coefficients, "coefficients_split_config",
                         lambda n, d, tokens, sms: tiles if split else None)
-    mhc_coefficients.forget_launch_plans()
+    forget_launch_plans()
 
 
 @pytest.mark.parametrize("n, dim, tokens", [(2, 40, 5), (4, 33, 70), (6, 24, 130), (8, 40, 70)])
@@ -120,7 +121,7 @@ def test_coefficient_forward_split_over_k_matches_one_pass(n, dim, tokens, hc_ep
             _forced_split(monkeypatch, split)
             outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
     finally:  # no launch configuration of the forced paths outlives the test
-        mhc_coefficients.forget_launch_plans()
+        forget_launch_plans()
     for name, got, want in zip(("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res"), outputs[True], outputs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -1,7 +1,8 @@
 """The coefficient kernels' launch choices where tokens are few (docs/small_tokens.md): the forward
-split over ``K`` when a program per 64 tokens would leave SMs idle, and the backward's token
-splits, at least 4 token blocks each. Both against the unsplit kernels at the boundaries of the
-choices, forward and backward.
+split over ``K`` when a program per 64 tokens would leave SMs idle, the backward's token splits,
+at least 4 token blocks each, and the coefficient gradient's one-token tiles where 4-token tiles
+are too few programs. Each against the kernels without it at the boundaries of the choices,
+forward and backward.
 
 CPU: Triton's interpreter at a small width, with an H100's SM count given to the launchers (the
 CPU's stand-in count is 4); GPU: the model width d = 1024 and the device's own SM count.
@@ -15,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc.kernels import mhc_coefficients
+from mhc.kernels._launch import forget_launch_plans
 
 DEVICE = KERNEL_DEVICE
 N = 4
@@ -31,7 +33,7 @@ def h100_sms(monkeypatch):
     if not HAS_CUDA:
         monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
     yield
-    mhc_coefficients.forget_launch_plans()
+    forget_launch_plans()
 
 
 def _inputs(tokens, seed):
@@ -116,6 +118,45 @@ def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
     assert mhc_coefficients.token_splits(tokens, block_t, waves, chunks, torch.device(DEVICE), resident) == splits
 
 
+@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16),
+       d=st.sampled_from([16, 128, 255, 1024, 4095, 4096, 7168]))
+def test_the_coefficient_gradient_takes_one_token_tiles_where_four_token_tiles_are_few(tokens, sms, n, d):
+    block_t, block_d, _ = mhc_coefficients.coefficient_grad_config(n, d, tokens, sms)
+    few = n <= 4 and -(-tokens // 4) < mhc_coefficients.GRAD_WAVES * sms
+    assert (block_t, block_d) == ((1, min(1024, 1 << (d - 1).bit_length())) if few
+                                  else (4, min(128, 1 << (d - 1).bit_length())))
+
+
+def test_the_coefficient_gradient_rule_boundary_and_a_symbolic_count():
+    last_few = 4 * mhc_coefficients.GRAD_WAVES * SMS - 4  # the last count with fewer programs than that
+    assert mhc_coefficients.coefficient_grad_config(N, 4096, last_few, SMS)[0] == 1
+    assert mhc_coefficients.coefficient_grad_config(N, 4096, last_few + 1, SMS)[0] == 4
+    assert mhc_coefficients.coefficient_grad_config(N, 4096, ShapeEnv().create_unbacked_symint(), SMS)[0] == 4
+
+
+GRAD_TILES = {"one token": mhc_coefficients.coefficient_grad_config(N, DIM, 1, SMS),
+              "four tokens": mhc_coefficients.coefficient_grad_config(N, DIM, 10**6, SMS)}
+
+
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65] + ([1024, 4096] if HAS_CUDA else []))
+def test_coefficient_gradient_tiles_agree_at_the_boundaries(tokens, monkeypatch, nan_poison):
+    """The whole coefficient backward with one-token against four-token tiles in its first kernel
+    (the per-program bias sums then come in 4x the rows)."""
+    x, phi, alpha, bias = _inputs(tokens, seed=tokens + 2)
+    _, p, r, h_pre, h_post, z_res, _ = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+    g = torch.Generator().manual_seed(tokens)
+    grads = [torch.randn(t.shape, generator=g).to(DEVICE) for t in (h_pre, h_post, z_res, x[:, 0], x)]
+    results = {}
+    for name, tile in GRAD_TILES.items():
+        monkeypatch.setattr(mhc_coefficients, "coefficient_grad_config", lambda n, d, t, s, tile=tile: tile)
+        forget_launch_plans()
+        results[name] = mhc_coefficients.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, *grads)
+    assert GRAD_TILES["one token"][0] == 1 and GRAD_TILES["four tokens"][0] == 4
+    for name, got, want in zip(("dx", "dphi", "dbias_alpha"), results["one token"], results["four tokens"]):
+        atol = 1e-6 * want.abs().max().item() * max(1, tokens) ** 0.5  # sums over tokens in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
 FORWARD = ("x_in", "p", "r", "h_pre", "h_post", "z_res", "h_res")
 BOUNDARY_TOKENS = [1, 63, 64, 65, 1024] + ([4096] if HAS_CUDA else [])
 
@@ -134,7 +175,7 @@ def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_s
     monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)  # the split's small-token finish
     for split in (None, SMALL_SPLIT):
         monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
-        mhc_coefficients.forget_launch_plans()
+        forget_launch_plans()
         outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
     block_t, block_k, _, _, waves = SMALL_SPLIT
     splits, _ = mhc_coefficients.k_splits(tokens, N * DIM, block_t, block_k, waves, x.device)
@@ -159,7 +200,7 @@ def test_pre_mix_programs_cover_every_channel_once(tokens, mixers, h100_sms, mon
     outputs = {}
     for split in (None, SMALL_SPLIT):
         monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
-        mhc_coefficients.forget_launch_plans()
+        forget_launch_plans()
         outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
     plan = mhc_coefficients._forward_plan(N, dim, tokens, 20, False, mhc_coefficients._split_bf16(x), x.device)
     assert plan.finish_grid[1] == 1 + min(mixers, 3)  # a program per share: (3 / mixers rounded up) chunks
@@ -180,7 +221,7 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     chosen = backward()
     token_splits = mhc_coefficients.token_splits
     monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: 1)
-    mhc_coefficients.forget_launch_plans()
+    forget_launch_plans()
     single = backward()
     block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
         N, DIM, x.dtype, False, False, "tf32", "both")

@@ -25,6 +25,7 @@ Inside a ``torch.library.triton_op``'s body (``mhc._library``) a launch goes thr
 ``torch.library.wrap_triton``, so that ``torch.compile`` and ``torch.export`` see the kernel.
 """
 
+import functools
 import os
 
 import torch
@@ -125,3 +126,43 @@ def _no_hook(hook) -> bool:
     """Whether a launch hook of Triton's is unset: ``None``, or an empty chain of hooks (Triton
     3.5+ keeps a ``HookChain`` there always; building the metadata for it costs 2 us a launch)."""
     return not getattr(hook, "calls", hook)
+
+
+# ------------------------------------------------------------------------------ launch plans
+# A launcher's configuration (tiles, grid, meta-parameters) depends on the sizes only: worked out
+# once per size and kept, it costs a dictionary lookup per launch instead of a few microseconds.
+
+_PLANS: list = []
+
+
+def launch_plan(configure):
+    """``configure`` cached per argument tuple (its arguments hashable: sizes, dtypes, the device),
+    and cleared by :func:`forget_launch_plans`."""
+    cached = functools.lru_cache(maxsize=1024)(configure)
+    _PLANS.append(cached)
+    return cached
+
+
+def per_size(plan, tokens):
+    """``plan`` (a :func:`launch_plan`), or the function it caches where the token count is symbolic
+    (a graph traced for any count: a ``SymInt`` cannot key a cache)."""
+    return plan if type(tokens) is int else plan.__wrapped__
+
+
+def forget_launch_plans() -> None:
+    """Clear every launcher's cached plans: for tests and sweeps that replace the functions they
+    are made from (``sm_count``, the tile configurations)."""
+    for plan in _PLANS:
+        plan.cache_clear()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: grids sized for a small GPU in Triton's interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

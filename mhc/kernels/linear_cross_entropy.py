@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from mhc._host import read_later
+from mhc.kernels._launch import sm_count
 
 try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy engine (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -253,13 +254,6 @@ def _check_target(target: torch.Tensor, n_rows: int) -> None:
         raise ValueError(f"target must be int64 of shape [{n_rows}], got {target.dtype} {tuple(target.shape)}")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs get fp32 products, as torch.matmul gives them unless TF32 is allowed
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
@@ -319,7 +313,7 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     block_n, block_v, block_d, warps, stages = _tiles(x)["lse"]
     row_blocks = triton.cdiv(N, block_n)
     vocab_blocks = triton.cdiv(V, block_v)
-    programs = PROGRAMS_PER_SM * _sm_count(x.device)
+    programs = PROGRAMS_PER_SM * sm_count(x.device)
     n_splits = min(vocab_blocks, max(1, triton.cdiv(programs, max(1, row_blocks))))
     blocks_per_split = triton.cdiv(vocab_blocks, n_splits)
     n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import launch, launch_plan, per_size, sm_count
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -569,7 +569,7 @@ def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int
     return (128, 128, 8, 3, 4, None) if dtype == torch.bfloat16 else (64, 64, 4, 2, 4, None)
 
 
-@functools.cache
+@launch_plan
 def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
     block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
     meta = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, SPLIT_BF16=split_bf16,
@@ -577,7 +577,7 @@ def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
     return block_t, meta, ("coefficients_fwd", n, iters, has_eps, split_bf16)
 
 
-@functools.cache
+@launch_plan
 def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, split_bf16: bool):
     """The launches of a forward split over ``K`` with tiles ``config`` (of
     ``coefficients_split_config``); ``few``: the small-token split (``few_tokens``)."""
@@ -593,23 +593,38 @@ def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, spl
             finish_t, finish, ("coefficients_finish", finish_config, n, iters, has_eps, few))
 
 
-def coefficient_grad_config(n: int, d: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``: 4-token tiles, twice the
-    programs of 8-token ones and faster at every size measured (H100, n = 4, 1k / 2k / 4k / 16k
-    tokens: d = 1024 8.0 / 8.3 / 18.8 / 64.8 -> 5.3 / 6.1 / 14.2 / 64.4 us; d = 4096 49.4 / 55.9 /
-    72.2 / 241 -> 24.0 / 35.6 / 61.0 / 228 us; ``python scripts/tune_mixing.py
-    small-tokens-epilogues``)."""
+def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``, a program per ``BLOCK_T``
+    tokens over all of ``D``.
+
+    4-token tiles: twice the programs of 8-token ones and faster at every size measured (H100,
+    n = 4, 1k / 2k / 4k / 16k tokens: d = 1024 8.0 / 8.3 / 18.8 / 64.8 -> 5.3 / 6.1 / 14.2 /
+    64.4 us; d = 4096 49.4 / 55.9 / 72.2 / 241 -> 24.0 / 35.6 / 61.0 / 228 us; ``python
+    scripts/tune_mixing.py small-tokens-epilogues``).
+
+    Where 4-token tiles would give fewer than ``GRAD_WAVES`` programs per SM (n <= 4; up to 1k
+    tokens on an H100), one-token tiles 1024 channels wide: four times the programs, each with
+    twice the bytes in flight (d = 4096, 1k tokens: 23.8 -> 15.5 us; d = 1024 5.3 -> 4.9 us; at
+    2k tokens no faster, at d = 1024 slower: 6.2 -> 8.3 us; ``python scripts/tune_mixing.py
+    small-tokens-mix``). A symbolic token count takes 4-token tiles.
+    """
+    if n <= 4 and type(tokens) is int and cdiv(tokens, 4) < GRAD_WAVES * sms:
+        return 1, min(1024, next_pow2(d)), 4
     return 4, min(128, next_pow2(d)), 4
 
 
-@functools.cache
-def _grad_meta(n: int, d: int, has_dh_pre: bool):
-    block_t, block_d, num_warps = coefficient_grad_config(n, d)
+GRAD_WAVES = 2
+
+
+@launch_plan
+def _grad_plan(n: int, d: int, T: int, has_dh_pre: bool, device):
+    """``(grid, meta, key)`` of the coefficient-gradient launch, worked out once per size."""
+    block_t, block_d, num_warps = config = coefficient_grad_config(n, d, T, sm_count(device))
     meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
-    return block_t, meta, ("coefficient_grad", n, d, has_dh_pre)
+    return (cdiv(T, block_t),), meta, ("coefficient_grad", n, d, has_dh_pre, config)
 
 
-@functools.cache
+@launch_plan
 def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, precision: str, part: str):
     config = dphi_bwd_config if part == "dphi" else projection_bwd_config
     block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
@@ -654,7 +669,7 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
         return x_in, p, r, h_pre, h_post, z_res, h_res
     phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
     outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
-    plan = _cached(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
+    plan = per_size(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
     if plan.partial is None:
         launch(coefficients_fwd_kernel, plan.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), plan.meta,
                plan.key)
@@ -664,12 +679,6 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     launch(coefficients_finish_kernel, plan.finish_grid, (x, partial, alpha, bias), outputs,
            (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps), plan.finish_meta, plan.finish_key)
     return outputs
-
-
-def _cached(plan, T):
-    """``plan`` (an ``lru_cache``), or the function it caches where the token count is symbolic (a
-    graph traced for any count: a ``SymInt`` cannot key a cache)."""
-    return plan if type(T) is int else plan.__wrapped__
 
 
 class ForwardPlan(NamedTuple):
@@ -687,7 +696,7 @@ class ForwardPlan(NamedTuple):
     mix_chunks: int = 0
 
 
-@functools.lru_cache(maxsize=1024)
+@launch_plan
 def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16: bool, device) -> ForwardPlan:
     """The forward's configuration, worked out once per size (host time per launch)."""
     sms = sm_count(device)
@@ -733,12 +742,11 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
     f32 = dict(dtype=torch.float32, device=x.device)
     g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
     has_dh_pre = dh_pre is not None
-    block_t, meta, key = _grad_meta(n, d, has_dh_pre)
-    grid_t = cdiv(T, block_t)
-    partial_bias = torch.empty((grid_t, M + 3), **f32)
+    grid, meta, key = per_size(_grad_plan, T)(n, d, T, has_dh_pre, x.device)
+    partial_bias = torch.empty((grid[0], M + 3), **f32)
     inputs = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
               dz_res.contiguous(), p, r, alpha.contiguous())
-    launch(coefficient_grad_kernel, (grid_t,), inputs, (g, c, partial_bias), (T, d, hc_eps), meta, key)
+    launch(coefficient_grad_kernel, grid, inputs, (g, c, partial_bias), (T, d, hc_eps), meta, key)
     return g, c, partial_bias
 
 
@@ -786,7 +794,7 @@ def coefficients_bwd_packed(
     accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
     inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
-    for part, grid, meta, key in _cached(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
+    for part, grid, meta, key in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
         if part != "dx":
             partial = torch.empty((grid[1], K * M + M + 3), **f32)
         launch(projection_bwd_kernel, grid, inputs, (dx, partial if part != "dx" else dx),
@@ -794,7 +802,7 @@ def coefficients_bwd_packed(
     return dx, partial.sum(0)
 
 
-@functools.lru_cache(maxsize=1024)
+@launch_plan
 def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
     """The projection backward's launches, ``((part, grid (chunks, token splits), meta, key), ...)``,
     worked out once per size (host time per launch)."""
@@ -834,21 +842,7 @@ def _fewest_rounds(blocks: int, chunks: int, slots: int, most: int) -> int:
     return min(range(1, most + 1), key=lambda s: (cdiv(chunks * s, slots) * cdiv(blocks, s), s))
 
 
-def forget_launch_plans() -> None:
-    """Clear the launchers' cached configurations and plans: for tests and sweeps that replace the
-    functions they are made from (``sm_count``, ``token_splits``, the tile configurations)."""
-    for cached in (_fwd_meta, _split_meta, _grad_meta, _projection_meta, _forward_plan, _projection_plan):
-        cached.cache_clear()
-
-
 MIN_SPLIT_BLOCKS = 4
 BIAS_TILE = 64  # rows of the per-program bias sums that a dphi program adds at a time
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    return 4 if device.type != "cuda" else _sm_count(device.index if device.index is not None else torch.cuda.current_device())

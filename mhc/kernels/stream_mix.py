@@ -22,7 +22,6 @@ The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (
 ``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
 """
 
-import functools
 import math
 
 import torch
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import F32, check_streams, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import launch, launch_plan
 from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -245,16 +244,22 @@ def _fwd_config(n: int, d: int) -> tuple[int, int]:
     return max(1, values // block_d), block_d
 
 
-def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int]:
-    # about 1024 values per stream tile up to n = 8 (H100, post-mix backward at d = 4096: (4, 256)
-    # takes 1.47 ms at n = 8 and 1.08 ms at n = 6, (2, 256) 4.2 and 2.6 ms); the wide path's
-    # batched dot reduces over BLOCK_D: at least 16
+def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of the backward, a program per ``BLOCK_T`` tokens over all
+    of ``D``: about 1024 values per stream tile up to n = 8 (H100, post-mix backward at d = 4096:
+    (4, 256) takes 1.47 ms at n = 8 and 1.08 ms at n = 6, (2, 256) 4.2 and 2.6 ms); the wide
+    path's batched dot reduces over ``BLOCK_D``: at least 16.
+
+    The same where tokens are few: one-token tiles give more programs, but at n = 4 none was
+    faster by more than 6% at 1k tokens and all were slower from 2k tokens on (d = 4096, 1k
+    tokens: (1, 512, 2) 49.1 us, (4, 256, 4) 52.1, (1, 1024, 4) 53.0; 2k: 92.2, 87.5, 98.2;
+    ``python scripts/tune_mixing.py small-tokens-mix``)."""
     block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = 1024 if n <= 8 else 256
-    return max(1, values // block_d), block_d
+    return max(1, values // block_d), block_d, 4
 
 
-@functools.cache
+@launch_plan
 def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
     """``(BLOCK_T, meta, meta key)`` of the forward launch: one per configuration."""
     block_t, block_d = _fwd_config(n, d)
@@ -262,11 +267,11 @@ def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
     return block_t, block_d, meta, ("fwd", n, n_out, d, has_y)
 
 
-@functools.cache
+@launch_plan
 def _bwd_meta(n: int, n_out: int, d: int, has_y: bool, need_grad_x: bool, accumulate: bool):
-    block_t, block_d = _bwd_config(n, n_out, d)
+    block_t, block_d, num_warps = _bwd_config(n, n_out, d)
     meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
     return block_t, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
 
 
