@@ -94,12 +94,12 @@ def _gates(alpha_ptr):
 def coefficients_epilogue(
     acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr,
     p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, STORE: tl.constexpr = True,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, store=True,
 ):
     """From the projection ``acc = v @ phi`` and the sum of squares of the tokens ``o_t``: store
-    ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits (unless ``STORE`` is
-    False); return the ``[pre | post]`` tile of gates (``h_pre`` without ``hc_eps`` on its pre
-    columns)."""
+    ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits (where ``store``, a
+    constant or a per-program condition); return the ``[pre | post]`` tile of gates (``h_pre``
+    without ``hc_eps`` on its pre columns)."""
     M: tl.constexpr = 2 * N + N * N
     o_pp, m_pre, m_post = _column_groups(N, NPP)
     r = 1.0 / tl.sqrt(sum_sq / K + eps)
@@ -109,7 +109,7 @@ def coefficients_epilogue(
     # bias = [b_pre | b_post | vec(b_res)]: the [pre | post] tile's columns are its first 2N entries
     bias_pp = tl.load(bias_ptr + o_pp, mask=o_pp < 2 * N, other=0.0).to(tl.float32)
     h_pp = tl.sigmoid(tl.where(m_pre, a_pre, a_post)[None, :] * p_pp + bias_pp[None, :])
-    if STORE:
+    if store:
         o_res = tl.arange(0, NRES)
         m_res = o_res < N * N
         p_res = acc_res * r[:, None]
@@ -268,26 +268,20 @@ def coefficients_finish_kernel(
         acc_pp += tl.load(row[:, None] + tl.arange(0, NPP)[None, :], mask=t_ok[:, None], other=0.0)
         acc_res += tl.load(row[:, None] + NPP + tl.arange(0, NRES)[None, :], mask=t_ok[:, None], other=0.0)
         sum_sq += tl.load(row + NPP + NRES, mask=t_ok, other=0.0)
+    # the coefficients' program stores them (without ROLES the grid has one column: every program)
+    coefficients = tl.program_id(1) == 0
+    h_pp = coefficients_epilogue(
+        acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
+        h_post_ptr, z_res_ptr, N, NPP, NRES, coefficients,
+    )
     if ROLES:
-        if tl.program_id(1) == 0:
-            coefficients_epilogue(
-                acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
-                h_post_ptr, z_res_ptr, N, NPP, NRES,
-            )
+        if coefficients:
             sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
         else:
-            h_pp = coefficients_epilogue(
-                acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr,
-                h_pre_ptr, h_post_ptr, z_res_ptr, N, NPP, NRES, False,
-            )
             first_chunk = (tl.program_id(1) - 1) * mix_chunks
             pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, mix_chunks, N, NPP, BLOCK_T,
                          BLOCK_D)
     else:
-        h_pp = coefficients_epilogue(
-            acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
-            h_post_ptr, z_res_ptr, N, NPP, NRES,
-        )
         pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, 0, tl.cdiv(D, BLOCK_D), N, NPP, BLOCK_T, BLOCK_D)
         sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
 
