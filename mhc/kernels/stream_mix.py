@@ -261,7 +261,7 @@ def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
 
 @launch_plan
 def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
-    """``(BLOCK_T, meta, meta key)`` of the forward launch: one per configuration."""
+    """``(BLOCK_T, BLOCK_D, meta, meta key)`` of the forward launch: one per configuration."""
     block_t, block_d = _fwd_config(n, d)
     meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return block_t, block_d, meta, ("fwd", n, n_out, d, has_y)
