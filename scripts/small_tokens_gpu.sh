@@ -2,7 +2,7 @@
 # Small token counts on a CUDA machine (docs/small_tokens.md): the compiled-path tests, then the
 # GPT step at small and large token counts, eager / compiled / CUDA graphs, the host profile, the
 # graph-captured site and its kernels, the coefficient kernels' small-token sweep, V4 decoding.
-#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|eager-ab|compile|host|host-compiled|large|site|site-ab|sweep|decode|table-1024|table-4096
+#   bash scripts/small_tokens_gpu.sh tests|gpt-2k|eager-ab|compile|host|host-compiled|large|site|site-ab|sweep|split|aoti|decode|table-1024|table-4096
 set -uo pipefail
 out=${OUT:-results}
 mkdir -p "$out"
@@ -47,6 +47,8 @@ for stage in "$@"; do
             --seq 1024 --out-dir "$out/eager_ab_$arm" ) 2>&1 | tee -a "$out/eager_ab.log"
       done ;;
     sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
+    split) python3 scripts/tune_mixing.py small-tokens-split 2>&1 | tee "$out/split.log" ;;
+    aoti) python3 scripts/aoti_load_probe.py "$(mktemp -d)" 2>&1 | tee "$out/aoti_probe.log" ;;
     decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
     host-compiled) python3 scripts/profile_host.py --arms plain mhc mhc-chain --mode compiled 2>&1 \

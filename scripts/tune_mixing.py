@@ -2,7 +2,7 @@
 
     python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
                                   [coefficients] [coefficients-split] [small-tokens] [small-tokens-epilogues]
-                                  [small-tokens-mix] [mix-bwd] [n=8]
+                                  [small-tokens-mix] [small-tokens-split] [mix-bwd] [n=8]
 
 - ``compile``: first-call time (cold Triton cache) of a fused layer's forward + backward per n;
 - ``projection``: the coefficient backward over a few tile configurations at d = 4096, 2048 and
@@ -20,6 +20,7 @@
   split over ``K``) and backward (programs per SM of the projection backward) at 1k-8k tokens,
   d = 1024 and 4096, timed in CUDA graphs (no host time); ``small-tokens-epilogues``: the
   forward's finishing kernel and the coefficient-gradient kernel over tiles there;
+- ``small-tokens-split``: the mix backward over ranges of ``D`` where tokens are few;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens.
 
 A whole training step's GPU time by kernel: ``scripts/profile_model.py``.
@@ -484,6 +485,43 @@ def sweep_small_tokens_mix():
     _uncached()
 
 
+def sweep_small_tokens_split():
+    """The backward of a mix split over ranges of ``D`` where tokens are few (``bwd_d_splits``):
+    the post-mix (4 streams out, with ``y``) and the pre-mix (one out, adding another gradient of
+    ``x``) over 1-8 ranges, their partial sums' launch included, at 512-4k tokens and at 16k (no
+    loss there), d = 1024-8192. Each call runs over 4 sets of inputs in turn (more bytes than L2
+    holds), timed from CUDA-graph replays; the launcher's own choice is marked."""
+    original = stream_mix.bwd_d_splits
+    sms = mhc_coefficients.sm_count(torch.device("cuda"))
+    for dim in (1024, 2048, 4096, 8192):
+        for T in (512, 1024, 2048, 4096, 16384):
+            if T * dim > 16384 * 4096:
+                continue
+            for n_out in (STREAMS, 1):
+                chosen = original(STREAMS, n_out, dim, T, sms)
+                sets = []
+                for _ in range(4):
+                    x = torch.randn(T, STREAMS, dim, device="cuda", dtype=torch.bfloat16)
+                    w = torch.rand(T, n_out, STREAMS, device="cuda")
+                    y, b = (torch.randn(T, dim, device="cuda", dtype=torch.bfloat16),
+                            torch.rand(T, n_out, device="cuda")) if n_out > 1 else (None, None)
+                    g = torch.randn(T, n_out, dim, device="cuda", dtype=torch.bfloat16)
+                    acc = torch.randn_like(x) if n_out == 1 else None
+                    sets.append((x, w, y, b, g, acc))
+                nbytes = (2 * x.numel() + g.numel() + (y.numel() * 2 if n_out > 1 else x.numel())) * 2
+                calls = lambda: [kernels.stream_mix_bwd(*args) for args in sets]
+                for splits in (1, 2, 3, 4, 8):
+                    if splits > 1 and -(-dim // 256) < splits * 2:
+                        continue
+                    stream_mix.bwd_d_splits = lambda n, n_out, d, tokens, s, splits=splits: splits
+                    _uncached()
+                    mark = " <- launcher" if splits == chosen else ""
+                    _time_graph(f"{'post' if n_out > 1 else 'pre'}-mix bwd d={dim} T={T} ranges={splits}{mark}",
+                                calls, 4 * nbytes)
+    stream_mix.bwd_d_splits = original
+    _uncached()
+
+
 def _time_graph_or_fail(label, call, nbytes):
     try:
         return _time_graph(label, call, nbytes)
@@ -527,7 +565,8 @@ if __name__ == "__main__":
                      ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
                      ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues),
                      ("small-tokens-projection", sweep_small_tokens_projection),
-                     ("small-tokens-mix", sweep_small_tokens_mix)):
+                     ("small-tokens-mix", sweep_small_tokens_mix),
+                     ("small-tokens-split", sweep_small_tokens_split)):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

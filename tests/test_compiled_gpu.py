@@ -81,6 +81,28 @@ def test_compiled_step_launches_the_kernels_itself(chain, constraint):
         assert kernel in source, kernel
 
 
+@pytest.mark.parametrize("chain", [False, True])
+def test_compiled_step_with_the_mix_backward_split_over_d(chain, monkeypatch):
+    """Where tokens are few, the mix backward runs over ranges of ``D`` and a second kernel adds
+    their partial coefficient gradients: both inside the compiled graph, which matches eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mhc.kernels import _launch, stream_mix
+
+    config = stream_mix._bwd_config
+    monkeypatch.setattr(stream_mix, "_bwd_config", lambda n, n_out, d: (config(n, n_out, d)[0], 16, 4))  # 4 chunks
+    monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, tokens, sms: 3)
+    _launch.forget_launch_plans()
+    model = _model(chain)
+    h, w = _inputs(96)
+    want = _step(model, model, h, w)
+    torch._dynamo.reset()
+    got, code = run_and_get_code(lambda: _step(torch.compile(model, fullgraph=True), model, h, w))
+    _launch.forget_launch_plans()
+    _assert_step_close(got, want, rtol=1e-4, atol=1e-5)
+    assert "partial_sums_kernel" in "\n".join(code)
+
+
 def test_compiled_step_analyses_each_kernel_once(monkeypatch):
     """PyTorch asks which arguments a kernel writes several times per kernel call (functionalization,
     Inductor's lowering); through ``mhc._write_analysis`` each kernel specialization's TTIR is

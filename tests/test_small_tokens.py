@@ -1,8 +1,8 @@
 """The coefficient kernels' launch choices where tokens are few (docs/small_tokens.md): the forward
 split over ``K`` when a program per 64 tokens would leave SMs idle, the backward's token splits,
 at least 4 token blocks each, and the coefficient gradient's one-token tiles where 4-token tiles
-are too few programs. Each against the kernels without it at the boundaries of the choices,
-forward and backward.
+are too few programs; the stream-mix backward's split of ``D`` where its programs are few. Each
+against the kernels without it at the boundaries of the choices, forward and backward.
 
 CPU: Triton's interpreter at a small width, with an H100's SM count given to the launchers (the
 CPU's stand-in count is 4); GPU: the model width d = 1024 and the device's own SM count.
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
-from mhc.kernels import mhc_coefficients
+from mhc.kernels import mhc_coefficients, stream_mix
 from mhc.kernels._launch import forget_launch_plans
 
 DEVICE = KERNEL_DEVICE
@@ -232,3 +232,98 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
         # sums over the tokens in another order: rounding relative to the largest of them
         atol = 1e-6 * want.abs().max().item() * max(1, tokens) ** 0.5
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------ the stream-mix backward's split of D
+
+
+@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16), one_out=st.booleans(),
+       d=st.sampled_from([16, 255, 1024, 2047, 2048, 4096, 7168, 16384]))
+def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, one_out, d):
+    n_out = 1 if one_out else n
+    splits = stream_mix.bwd_d_splits(n, n_out, d, tokens, sms)
+    block_t, block_d, _ = stream_mix._bwd_config(n, n_out, d)
+    chunks, programs = -(-d // block_d), -(-tokens // block_t)
+    aim = (stream_mix.PRE_MIX_BWD_WAVES if one_out else stream_mix.MIX_BWD_WAVES) * sms  # programs in all
+    most = chunks // stream_mix.MIN_SPLIT_CHUNKS
+    assert splits >= 1
+    if n > 4 or most <= 1:
+        assert splits == 1
+    else:  # the count of ranges whose programs come nearest the aim, each range wide enough to pay
+        assert splits <= most
+        if 1 < splits < most:
+            assert abs(programs * splits - aim) <= programs / 2
+        elif splits == most:  # capped: the aim asked for as many or more
+            assert aim >= programs * (most - 0.5)
+        if splits == 1:
+            assert programs * 1.5 >= aim
+
+
+@pytest.mark.parametrize("tokens", [1, 100, 1024, 4096, 10**6])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 16])
+def test_the_mix_backward_grid_covers_every_chunk_once(tokens, splits, monkeypatch):
+    monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, t, s: splits)
+    forget_launch_plans()
+    for d in (1, 256, 257, 4096, 5000):
+        grid, split_chunks, meta, _ = stream_mix._bwd_plan(4, 4, d, tokens, True, True, False, torch.device(DEVICE))
+        chunks = -(-d // meta["BLOCK_D"])
+        assert grid[0] * meta["BLOCK_T"] >= tokens > (grid[0] - 1) * meta["BLOCK_T"]
+        assert (grid[1] - 1) * split_chunks < chunks <= grid[1] * split_chunks  # no range empty, none missing
+        assert grid[1] <= splits
+    forget_launch_plans()
+
+
+def test_a_symbolic_token_count_takes_one_range_of_d():
+    assert stream_mix.bwd_d_splits(N, N, 4096, ShapeEnv().create_unbacked_symint(), SMS) == 1
+    if HAS_CUDA:  # the launcher's own choice where the site's backward was slowest (docs/small_tokens.md)
+        assert stream_mix.bwd_d_splits(N, N, 4096, 1024, mhc_coefficients.sm_count(torch.device(DEVICE))) > 1
+
+
+# (n, n_out, with y, with dx_acc): the post-mix, the pre-mix (adding another gradient of x), a lane
+# mixer, and the wide path (n > 8)
+MIXES = [(4, 4, True, False), (4, 1, False, True), (3, 3, False, False), (12, 12, True, False)]
+MIX_DIM = 1200 if HAS_CUDA else 600  # several chunks of the unrolled path's 256 channels, the last one short
+
+
+def _mix_reference(x, w, y, b, dout, dx_acc):
+    xf, doutf = x.double(), dout.double()
+    dx = torch.einsum("tij,tid->tjd", w.double(), doutf) + (dx_acc.double() if dx_acc is not None else 0)
+    dw = torch.einsum("tid,tjd->tij", doutf, xf)
+    dy = torch.einsum("ti,tid->td", b.double(), doutf) if y is not None else None
+    db = torch.einsum("tid,td->ti", doutf, y.double()) if y is not None else None
+    return dx, dy, dw, db
+
+
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65] + ([1024, 4096] if HAS_CUDA else []))
+@pytest.mark.parametrize("n, n_out, with_y, with_acc", MIXES)
+def test_mix_backward_splits_of_d_agree_with_one_range(tokens, n, n_out, with_y, with_acc, monkeypatch, nan_poison):
+    """The backward over 1, 2, 3 and 5 ranges of ``D`` (the last range shorter, the last chunk past ``D``)
+    against one range and against the reference: ``dx`` and ``dy`` the same values, the partial
+    coefficient gradients added to the same sums up to rounding."""
+    g = torch.Generator().manual_seed(tokens + 10 * n + n_out)
+    x = torch.randn(tokens, n, MIX_DIM, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.rand(tokens, n_out, n, generator=g).to(DEVICE)
+    y = torch.randn(tokens, MIX_DIM, generator=g).to(DEVICE, torch.bfloat16) if with_y else None
+    b = torch.rand(tokens, n_out, generator=g).to(DEVICE) if with_y else None
+    dout = torch.randn(tokens, n_out, MIX_DIM, generator=g).to(DEVICE, torch.bfloat16)
+    dx_acc = torch.randn(x.shape, generator=g).to(DEVICE, torch.bfloat16) if with_acc else None
+    results = {}
+    for splits in (1, 2, 3, 5):
+        monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, t, s, splits=splits: splits)
+        forget_launch_plans()
+        grid = stream_mix._bwd_plan(n, n_out, MIX_DIM, tokens, with_y, True, with_acc, x.device)[0]
+        assert grid[1] == min(splits, -(-MIX_DIM // stream_mix._bwd_config(n, n_out, MIX_DIM)[1]))
+        results[splits] = stream_mix.stream_mix_bwd(x, w, y, b, dout, dx_acc)
+    forget_launch_plans()
+    names = ("dx", "dy", "dw", "db")
+    for splits in (2, 3, 5):
+        for name, got, want in zip(names, results[splits], results[1]):
+            if want is None:
+                assert got is None, name
+            else:  # dx and dy per channel, no sum over D: the same values
+                tol = dict(rtol=0, atol=0) if name in ("dx", "dy") else dict(rtol=1e-5, atol=1e-4)
+                torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}, {splits} ranges: {m}")
+    for name, got, want in zip(names, results[3], _mix_reference(x, w, y, b, dout, dx_acc)):
+        if want is not None:
+            tol = dict(rtol=2e-2, atol=2e-2) if got.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"{name} against the reference: {m}")

@@ -18,7 +18,9 @@ with ``N * N_OUT``.
 
 The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (+ dx_acc)``,
 ``dy = sum_i b_i dout_i`` and the per-token coefficient gradients ``dw[i, j] = <dout_i, x_j>``,
-``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics).
+``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics). Where tokens
+are few, ``D`` is split over several programs per token tile (:func:`bwd_d_splits`), each
+writing partial ``dw`` and ``db`` that one sum adds in a fixed order.
 ``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
 """
 
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import F32, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan
+from mhc.kernels._launch import launch, launch_plan, per_size, sm_count
 from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -97,35 +99,43 @@ def stream_mix_fwd_kernel(
         tl.store(p_out, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "stride_w", "stride_b"])
+@triton.jit(do_not_specialize=["T", "stride_w", "stride_b", "split_chunks"])
 def stream_mix_bwd_kernel(
     # pointers: the forward's inputs, dout [T, N_OUT, D], dx_acc [T, N, D] (added to dx),
-    # outputs dx [T, N, D], dy [T, D], dw [T, N_OUT, N] and db [T, N_OUT] (fp32, contiguous)
+    # outputs dx [T, N, D], dy [T, D], dw [RANGES, T, N_OUT, N] and db [RANGES, T, N_OUT] (fp32,
+    # contiguous; a partial sum per range of D, RANGES = grid[1])
     x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr,
     dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    T, D, stride_w, stride_b,
+    T, D, stride_w, stride_b, split_chunks,
     N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
     WRITE_DX: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
+    # program: a tile of BLOCK_T tokens over range program_id(1) of D, split_chunks chunks of
+    # BLOCK_D channels (one range: all of D)
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    first = i_s * split_chunks
+    last = tl.minimum(first + split_chunks, tl.cdiv(D, BLOCK_D))
+    dw_ptr += i_s.to(tl.int64) * T * (N_OUT * N)
+    db_ptr += i_s.to(tl.int64) * T * N_OUT
     if UNROLL:
         _mix_bwd_unrolled(
             x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-            o_t, i_t, T, D, stride_w, stride_b, N, N_OUT, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
+            o_t, i_t, first, last, T, D, stride_w, stride_b, N, N_OUT, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
         )
     else:
         _mix_bwd_wide(
             x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-            o_t, i_t, T, D, stride_w, stride_b, N, N_OUT, NP, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
+            o_t, i_t, first, last, T, D, stride_w, stride_b, N, N_OUT, NP, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T,
+            BLOCK_D,
         )
 
 
 @triton.jit
 def _mix_bwd_unrolled(
     x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    o_t, i_t, T, D, stride_w, stride_b,
+    o_t, i_t, first, last, T, D, stride_w, stride_b,
     N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
     ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -138,7 +148,7 @@ def _mix_bwd_unrolled(
     for i in tl.static_range(N_OUT):
         db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
 
-    for i_d in range(tl.cdiv(D, BLOCK_D)):
+    for i_d in range(first, last):
         _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
         xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
         douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
@@ -179,7 +189,7 @@ def _mix_bwd_unrolled(
 @triton.jit
 def _mix_bwd_wide(
     x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    o_t, i_t, T, D, stride_w, stride_b,
+    o_t, i_t, first, last, T, D, stride_w, stride_b,
     N: tl.constexpr, N_OUT: tl.constexpr, NP: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
     ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -196,7 +206,7 @@ def _mix_bwd_wide(
         b2 = tl.load(b_ptr + o_t[:, None] * stride_b + o_i[None, :], mask=m_b, other=0.0)
         db = tl.zeros([BLOCK_T, NO], dtype=tl.float32)
     dw = tl.zeros([BLOCK_T, NO, NP], dtype=tl.float32)
-    for i_d in range(tl.cdiv(D, BLOCK_D)):
+    for i_d in range(first, last):
         _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
         x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
         p_do = dout_ptr + o_t[:, None, None] * (N_OUT * D) + o_i[None, :, None] * D + o_d[None, None, :]
@@ -227,6 +237,31 @@ def _mix_bwd_wide(
         tl.store(db_ptr + o_t[:, None] * N_OUT + o_i[None, :], db, mask=t_ok[:, None] & (o_i < N_OUT)[None, :])
 
 
+@triton.jit
+def _add_splits(parts_ptr, out_ptr, o_t, T, splits, W: tl.constexpr, WP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``out[t] = sum_s parts[s, t]`` over rows ``o_t`` of ``W`` values, in split order."""
+    o_w = tl.arange(0, WP)
+    m = (o_t < T)[:, None] & (o_w < W)[None, :]
+    acc = tl.zeros([BLOCK_T, WP], dtype=tl.float32)
+    for i_s in range(splits):
+        acc += tl.load(parts_ptr + (i_s * T + o_t[:, None]) * W + o_w[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + o_t[:, None] * W + o_w[None, :], acc, mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "splits"])
+def partial_sums_kernel(
+    # dw_parts [splits, T, W], db_parts [splits, T, B] (fp32) -> dw [T, W], db [T, B]: the
+    # backward's partial coefficient gradients over ranges of D, added in range order
+    dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr,
+    T, splits,
+    W: tl.constexpr, WP: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _add_splits(dw_parts_ptr, dw_ptr, o_t, T, splits, W, WP, BLOCK_T)
+    if B > 0:
+        _add_splits(db_parts_ptr, db_ptr, o_t, T, splits, B, BP, BLOCK_T)
+
+
 # ------------------------------------------------------------------------------ launchers
 
 
@@ -246,11 +281,12 @@ def _fwd_config(n: int, d: int) -> tuple[int, int]:
 
 def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of the backward, a program per ``BLOCK_T`` tokens over all
-    of ``D``: about 1024 values per stream tile up to n = 8 (H100, post-mix backward at d = 4096:
-    (4, 256) takes 1.47 ms at n = 8 and 1.08 ms at n = 6, (2, 256) 4.2 and 2.6 ms); the wide
-    path's batched dot reduces over ``BLOCK_D``: at least 16.
+    of ``D`` (a range of it where tokens are few: :func:`bwd_d_splits`): about 1024 values per
+    stream tile up to n = 8 (H100, post-mix backward at d = 4096: (4, 256) takes 1.47 ms at n = 8
+    and 1.08 ms at n = 6, (2, 256) 4.2 and 2.6 ms); the wide path's batched dot reduces over
+    ``BLOCK_D``: at least 16.
 
-    The same where tokens are few: one-token tiles give more programs, but at n = 4 none was
+    The same tiles where tokens are few: one-token tiles give more programs, but at n = 4 none was
     faster by more than 6% at 1k tokens and all were slower from 2k tokens on (d = 4096, 1k
     tokens: (1, 512, 2) 49.1 us, (4, 256, 4) 52.1, (1, 1024, 4) 53.0; 2k: 92.2, 87.5, 98.2;
     ``python scripts/tune_mixing.py small-tokens-mix``)."""
@@ -267,12 +303,42 @@ def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
     return block_t, block_d, meta, ("fwd", n, n_out, d, has_y)
 
 
+# Where tokens are few the backward's programs are few too (256 at d = 4096 and 1k tokens): D is
+# then split over programs, which write partial coefficient gradients that one launch adds. H100,
+# n = 4, d = 4096, 1k tokens: post-mix backward 53.0 us in one range, 46.4 in 2, 49.9 in 3 (whose
+# last is shorter), 47.9 in 4; pre-mix (one stream out) 64.5 us, 49.1 in 2, 41.8 in 4; no range
+# count gains at 4k tokens (docs/small_tokens.md, ``python scripts/tune_mixing.py small-tokens-split``).
+MIX_BWD_WAVES = 4  # programs per SM the split aims at: the post-mix (several streams out)
+PRE_MIX_BWD_WAVES = 8  # one stream out: less work per program, more programs pay
+# chunks of BLOCK_D channels per range at least: the post-mix gained nothing from ranges of 2 chunks
+# (d = 1024), where a site is bound by the host, which the partial sums' launch costs
+MIN_SPLIT_CHUNKS = 4
+
+
+def bwd_d_splits(n: int, n_out: int, d: int, tokens, sms: int) -> int:
+    """How many ranges of ``D`` the backward splits each token tile's channels into: about
+    ``MIX_BWD_WAVES`` programs per SM (``PRE_MIX_BWD_WAVES`` for one stream out), each range at
+    least ``MIN_SPLIT_CHUNKS`` chunks of ``BLOCK_D`` channels (n <= 4; 1 for a symbolic token
+    count, whose graph serves any count)."""
+    if n > 4 or type(tokens) is not int:
+        return 1
+    block_t, block_d, _ = _bwd_config(n, n_out, d)
+    waves = MIX_BWD_WAVES if n_out > 1 else PRE_MIX_BWD_WAVES
+    most = cdiv(d, block_d) // MIN_SPLIT_CHUNKS
+    return max(1, min(most, round(waves * sms / cdiv(tokens, block_t))))
+
+
 @launch_plan
-def _bwd_meta(n: int, n_out: int, d: int, has_y: bool, need_grad_x: bool, accumulate: bool):
+def _bwd_plan(n: int, n_out: int, d: int, T: int, has_y: bool, need_grad_x: bool, accumulate: bool, device):
+    """``(grid, split_chunks, meta, meta key)`` of the backward launch: a program per token tile and
+    range of ``split_chunks`` channel chunks (``grid[1]`` ranges; one: all of ``D``)."""
     block_t, block_d, num_warps = _bwd_config(n, n_out, d)
+    chunks = cdiv(d, block_d)
+    split_chunks = max(1, cdiv(chunks, bwd_d_splits(n, n_out, d, T, sm_count(device))))
     meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
-    return block_t, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
+    grid = (cdiv(T, block_t), max(1, cdiv(chunks, split_chunks)))
+    return grid, split_chunks, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
 
 
 def _per_token(c: torch.Tensor | None, per_token: int):
@@ -377,15 +443,37 @@ def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=
         grad_x_acc = grad_x_acc.contiguous()
     dx = torch.empty_like(x) if need_grad_x else None
     dy = torch.empty_like(y) if has_y else None
-    dw = torch.empty((T, n_out, n), dtype=torch.float32, device=x.device)
-    db = torch.empty((T, n_out), dtype=torch.float32, device=x.device) if has_y else None
+    f32 = dict(dtype=torch.float32, device=x.device)
     if T == 0:
-        return dx, dy, dw, db
+        return dx, dy, torch.empty((T, n_out, n), **f32), torch.empty((T, n_out), **f32) if has_y else None
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
-    block_t, meta, key = _bwd_meta(n, n_out, d, has_y, need_grad_x, accumulate)
+    grid, split_chunks, meta, key = per_size(_bwd_plan, T)(n, n_out, d, T, has_y, need_grad_x, accumulate, x.device)
+    splits = grid[1]
+    parts = (splits,) if splits > 1 else ()
+    dw = torch.empty((*parts, T, n_out, n), **f32)
+    db = torch.empty((*parts, T, n_out), **f32) if has_y else None
     inputs = (x, y if has_y else x, w, b if has_y else w, grad_out, grad_x_acc if accumulate else x)
     # in place of an output not written: an input, or dw
     outputs = (dx if need_grad_x else x, dy if has_y else x, dw, db if has_y else dw)
-    launch(stream_mix_bwd_kernel, (cdiv(T, block_t),), inputs, outputs, (T, d, stride_w, stride_b), meta, key)
-    return dx, dy, dw, db
+    launch(stream_mix_bwd_kernel, grid, inputs, outputs, (T, d, stride_w, stride_b, split_chunks), meta, key)
+    if splits == 1:
+        return dx, dy, dw, db
+    return dx, dy, *_add_partial_sums(dw, db)
+
+
+def _add_partial_sums(dw_parts, db_parts):
+    """``(dw [T, N_OUT, N], db [T, N_OUT] or None)``: the partial sums of the splits of ``D`` added
+    in split order (deterministic), both in one launch."""
+    splits, T, n_out, n = dw_parts.shape
+    dw = torch.empty((T, n_out, n), dtype=torch.float32, device=dw_parts.device)
+    db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if db_parts is not None else None
+    has_b = db is not None
+    meta = dict(W=n_out * n, WP=next_pow2(n_out * n), B=n_out if has_b else 0, BP=next_pow2(n_out),
+                BLOCK_T=SUM_TOKENS, num_warps=4)
+    launch(partial_sums_kernel, (cdiv(T, SUM_TOKENS),), (dw_parts, db_parts if has_b else dw_parts),
+           (dw, db if has_b else dw_parts), (T, splits), meta, ("sums", n_out, n, has_b))
+    return dw, db
+
+
+SUM_TOKENS = 64  # tokens per program of the partial sums
