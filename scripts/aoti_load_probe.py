@@ -66,23 +66,23 @@ def main(out_dir: str) -> None:
         package = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(out_dir, "linear.pt2"))
         cases = os.path.join(out_dir, "cases.pt")
         torch.save((x, linear(x)), cases)
-    for name, step in STEPS.items():
-        _run(name, "import sys, torch\npackage, cases = sys.argv[1], sys.argv[2]\n" + step + "\nprint('ok')",
-             package, cases)
-    for name, (before, options) in VARIANTS.items():
-        _run(name, LOAD.format(before=before, options=options), package, cases)
-    if shutil.which("gdb"):  # the native frames of the crash
-        _run("as it is, under gdb", LOAD.format(before="", options=""), package, cases,
-             ("gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args"))
-    else:
-        print("no gdb on this machine", flush=True)
     with zipfile.ZipFile(package) as z:
         libraries = [n for n in z.namelist() if n.endswith(".so")]
         z.extractall(os.path.join(out_dir, "unpacked"), libraries)
     for name in libraries:
         ldd = subprocess.run(["ldd", os.path.join(out_dir, "unpacked", name)], capture_output=True, text=True)
         print(f"ldd {name}:\n{ldd.stdout}{ldd.stderr}", flush=True)
-
+    # the native frames first: each crashing variant takes most of a minute
+    if shutil.which("gdb"):
+        _run("as it is, under gdb", LOAD.format(before="", options=""), package, cases,
+             ("gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args"))
+    else:
+        print("no gdb on this machine", flush=True)
+    for name, step in STEPS.items():
+        _run(name, "import sys, torch\npackage, cases = sys.argv[1], sys.argv[2]\n" + step + "\nprint('ok')",
+             package, cases)
+    for name, (before, options) in VARIANTS.items():
+        _run(name, LOAD.format(before=before, options=options), package, cases)
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
