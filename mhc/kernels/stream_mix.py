@@ -19,8 +19,8 @@ with ``N * N_OUT``.
 The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (+ dx_acc)``,
 ``dy = sum_i b_i dout_i`` and the per-token coefficient gradients ``dw[i, j] = <dout_i, x_j>``,
 ``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics). Where tokens
-are few, ``D`` is split over several programs per token tile (:func:`bwd_d_splits`), each
-writing partial ``dw`` and ``db`` that one sum adds in a fixed order.
+are few, ``D`` is split into ranges, a program per token tile and range (:func:`bwd_d_splits`),
+each writing partial ``dw`` and ``db`` that one more launch adds in a fixed order.
 ``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
 """
 
@@ -239,7 +239,7 @@ def _mix_bwd_wide(
 
 @triton.jit
 def _add_splits(parts_ptr, out_ptr, o_t, T, splits, W: tl.constexpr, WP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``out[t] = sum_s parts[s, t]`` over rows ``o_t`` of ``W`` values, in split order."""
+    """``out[t] = sum_s parts[s, t]`` over rows ``o_t`` of ``W`` values, in range order."""
     o_w = tl.arange(0, WP)
     m = (o_t < T)[:, None] & (o_w < W)[None, :]
     acc = tl.zeros([BLOCK_T, WP], dtype=tl.float32)
@@ -462,9 +462,12 @@ def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=
     return dx, dy, *_add_partial_sums(dw, db)
 
 
+SUM_TOKENS = 64  # tokens per program of the partial sums
+
+
 def _add_partial_sums(dw_parts, db_parts):
-    """``(dw [T, N_OUT, N], db [T, N_OUT] or None)``: the partial sums of the splits of ``D`` added
-    in split order (deterministic), both in one launch."""
+    """``(dw [T, N_OUT, N], db [T, N_OUT] or None)``: the partial sums of the ranges of ``D``
+    (``[ranges, T, ...]``) added in range order (deterministic), both in one launch."""
     splits, T, n_out, n = dw_parts.shape
     dw = torch.empty((T, n_out, n), dtype=torch.float32, device=dw_parts.device)
     db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if db_parts is not None else None
@@ -475,5 +478,3 @@ def _add_partial_sums(dw_parts, db_parts):
            (dw, db if has_b else dw_parts), (T, splits), meta, ("sums", n_out, n, has_b))
     return dw, db
 
-
-SUM_TOKENS = 64  # tokens per program of the partial sums
