@@ -282,7 +282,10 @@ def test_a_symbolic_token_count_takes_one_range_of_d():
 # (n, n_out, with y, with dx_acc): the post-mix, the pre-mix (adding another gradient of x), a lane
 # mixer, and the wide path (n > 8)
 MIXES = [(4, 4, True, False), (4, 1, False, True), (3, 3, False, False), (12, 12, True, False)]
-MIX_DIM = 1200 if HAS_CUDA else 600  # several chunks of the unrolled path's 256 channels, the last one short
+# several chunks of the launcher's tiles (256 channels; 64 on the wide path), the last one short
+MIX_DIM = 1200 if HAS_CUDA else 600
+# ranges asked for: 5 covers more ranges than 3 chunks on the GPU only (the interpreter's time)
+MIX_RANGES = (1, 2, 3, 5) if HAS_CUDA else (1, 2, 3)
 
 
 def _mix_reference(x, w, y, b, dout, dx_acc):
@@ -297,7 +300,7 @@ def _mix_reference(x, w, y, b, dout, dx_acc):
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65] + ([1024, 4096] if HAS_CUDA else []))
 @pytest.mark.parametrize("n, n_out, with_y, with_acc", MIXES)
 def test_mix_backward_splits_of_d_agree_with_one_range(tokens, n, n_out, with_y, with_acc, monkeypatch, nan_poison):
-    """The backward over 1, 2, 3 and 5 ranges of ``D`` (the last range shorter, the last chunk past ``D``)
+    """The backward over 1, 2, 3 (and 5) ranges of ``D`` (the last range shorter, the last chunk past ``D``)
     against one range and against the reference: ``dx`` and ``dy`` the same values, the partial
     coefficient gradients added to the same sums up to rounding."""
     g = torch.Generator().manual_seed(tokens + 10 * n + n_out)
@@ -308,18 +311,19 @@ def test_mix_backward_splits_of_d_agree_with_one_range(tokens, n, n_out, with_y,
     dout = torch.randn(tokens, n_out, MIX_DIM, generator=g).to(DEVICE, torch.bfloat16)
     dx_acc = torch.randn(x.shape, generator=g).to(DEVICE, torch.bfloat16) if with_acc else None
     results = {}
-    for splits in (1, 2, 3, 5):
+    for splits in MIX_RANGES:
         monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, t, s, splits=splits: splits)
         forget_launch_plans()
         grid = stream_mix._bwd_plan(n, n_out, MIX_DIM, tokens, with_y, True, with_acc, x.device)[0]
         assert grid[1] == min(splits, -(-MIX_DIM // stream_mix._bwd_config(n, n_out, MIX_DIM)[1]))
         results[splits] = stream_mix.stream_mix_bwd(x, w, y, b, dout, dx_acc)
-    again = stream_mix.stream_mix_bwd(x, w, y, b, dout, dx_acc)  # 5 ranges again: the same bits
-    forget_launch_plans()
-    for name, got, want in zip(("dx", "dy", "dw", "db"), again, results[5]):
-        assert want is None or torch.equal(got, want), name
     names = ("dx", "dy", "dw", "db")
-    for splits in (2, 3, 5):
+    if HAS_CUDA:  # the last count of ranges again: the same bits
+        again = stream_mix.stream_mix_bwd(x, w, y, b, dout, dx_acc)
+        for name, got, want in zip(names, again, results[MIX_RANGES[-1]]):
+            assert want is None or torch.equal(got, want), name
+    forget_launch_plans()
+    for splits in MIX_RANGES[1:]:
         for name, got, want in zip(names, results[splits], results[1]):
             if want is None:
                 assert got is None, name
