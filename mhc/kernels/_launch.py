@@ -166,3 +166,9 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def per_tile(tiles: int, waves: int, sms: int, most: int) -> int:
+    """Programs per tile (splits of a tile's work) that give about ``waves`` programs per SM over
+    ``tiles`` tiles, from 1 to ``most``."""
+    return max(1, min(most, round(waves * sms / tiles)))

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, sm_count
+from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -525,7 +525,7 @@ def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> 
     """``(splits, k_split)``: about ``waves`` programs per SM over ``cdiv(T, block_t)`` token
     tiles, each split ``k_split`` columns wide (a multiple of ``block_k``)."""
     tiles, chunks = cdiv(T, block_t), cdiv(K, block_k)
-    splits = max(1, min(chunks, round(waves * sm_count(device) / tiles)))
+    splits = per_tile(tiles, waves, sm_count(device), chunks)
     k_split = cdiv(chunks, splits) * block_k
     return cdiv(K, k_split), k_split
 
@@ -715,7 +715,7 @@ def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
     """Pre-mix programs per token tile of the small-token finishing kernel: about
     ``PRE_MIX_WAVES`` per SM over all tiles, at most one per channel chunk. One program per tile
     keeps a few KiB of ``x`` in flight per SM, far from what the H100's bandwidth needs."""
-    return max(1, min(chunks, round(PRE_MIX_WAVES * sms / tiles)))
+    return per_tile(tiles, PRE_MIX_WAVES, sms, chunks)
 
 
 PRE_MIX_WAVES = 4
@@ -825,7 +825,7 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
     small-tokens-projection``). Otherwise about ``waves`` programs per SM.
     """
     blocks, sms = cdiv(T, block_t), sm_count(device)
-    most = max(1, min(blocks // MIN_SPLIT_BLOCKS, round(waves * sms / chunks)))
+    most = per_tile(chunks, waves, sms, blocks // MIN_SPLIT_BLOCKS)
     if resident is None:
         return most
     return _fewest_rounds(blocks, chunks, resident * sms, most)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import F32, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, sm_count
+from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count
 from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -325,7 +325,7 @@ def bwd_d_splits(n: int, n_out: int, d: int, tokens, sms: int) -> int:
     block_t, block_d, _ = _bwd_config(n, n_out, d)
     waves = MIX_BWD_WAVES if n_out > 1 else PRE_MIX_BWD_WAVES
     most = cdiv(d, block_d) // MIN_SPLIT_CHUNKS
-    return max(1, min(most, round(waves * sms / cdiv(tokens, block_t))))
+    return per_tile(cdiv(tokens, block_t), waves, sms, most)
 
 
 @launch_plan
