@@ -11,6 +11,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     $(compgen -G ".whl/tf/*.whl") >/dev/null 2>&1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# Inductor compiles C++ (cpp_wrapper, AOTInductor packages) with $CXX. On the H100 image that is a
+# wrapper (/opt/gcc/bin/g++) whose package libraries crash on load (docs/small_tokens.md); the
+# system's g++ builds ones that load.
+image_cxx=${CXX:-}
+case ${CXX:-} in /opt/gcc/*) [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ ;; esac
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
 bench="python3 examples/benchmark_mixing.py --tables model --repeats 3"
 for stage in "$@"; do
@@ -48,7 +53,10 @@ for stage in "$@"; do
       done ;;
     sweep) python3 scripts/tune_mixing.py small-tokens 2>&1 | tee "$out/sweep.log" ;;
     split) python3 scripts/tune_mixing.py small-tokens-split 2>&1 | tee "$out/split.log" ;;
-    aoti) python3 scripts/aoti_load_probe.py "$(mktemp -d)" 2>&1 | tee "$out/aoti_probe.log" ;;
+    aoti)  # with the image's compiler, then with the one set above
+      for cxx in "$image_cxx" "$CXX"; do
+        CXX=$cxx python3 scripts/aoti_load_probe.py "$(mktemp -d)" 2>&1 | tee -a "$out/aoti_probe.log"
+      done ;;
     decode) python3 examples/deepseek_v4.py --bench-decode 2>&1 | tee "$out/decode.log" ;;
     host) python3 scripts/profile_host.py --arms mhc mhc-chain 2>&1 | tee "$out/host_profile.log" ;;
     host-compiled) python3 scripts/profile_host.py --arms plain mhc mhc-chain --mode compiled 2>&1 \

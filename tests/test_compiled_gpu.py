@@ -177,8 +177,11 @@ def _load_and_check(package, cases, path, rtol, atol):
 
 @pytest.fixture(scope="module")
 def aoti_loads(tmp_path_factory):
-    """Whether this machine's AOTInductor loads any package: a plain ``nn.Linear``'s. With PyTorch
-    2.11 (CUDA 13) on the H100 machines the loader crashes (SIGSEGV) for every package."""
+    """Whether this machine's AOTInductor loads any package: a plain ``nn.Linear``'s. On the H100
+    image the compiler that ``CXX`` names (``/opt/gcc/bin/g++``, a wrapper) builds package
+    libraries without the shared ``libstdc++``, and they crash (SIGSEGV) in ``std::regex`` while
+    the loader builds the model; ``scripts/small_tokens_gpu.sh`` sets the system's ``g++``
+    (docs/small_tokens.md, ``scripts/aoti_load_probe.py``)."""
     tmp = tmp_path_factory.mktemp("aoti_linear")
     linear = nn.Linear(DIM, DIM).cuda().eval()
     x = torch.randn(8, DIM, device="cuda")
@@ -207,7 +210,8 @@ def test_export_and_aoti_package_run_the_sites(tmp_path, aoti_loads, dtype, hc_e
         cases.append((x, want))
     loads, why = aoti_loads
     if not loads:
-        pytest.skip(f"AOTInductor cannot load a plain nn.Linear package on this machine ({why})")
+        pytest.skip(f"AOTInductor cannot load a plain nn.Linear package on this machine ({why}); "
+                    "see this fixture's docstring for the C++ compiler it may take")
     result = _load_and_check(package, cases, tmp_path / "cases.pt", **tol)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
