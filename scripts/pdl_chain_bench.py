@@ -3,12 +3,12 @@
     python scripts/pdl_chain_bench.py
 
 Ten elementwise kernels in a row, each reading what the last one wrote (8 MiB and 33.5 MiB of
-bf16, the sizes of a d = 4096 site's per-token tensors at 256 and 1k tokens), at 264 and 1056
-programs. Each chain runs captured in a CUDA graph and eagerly, launched plainly or with PDL:
-every program first waits for the kernel before it (``gdc_wait``), and with ``early`` also lets
-the next kernel launch at once (``gdc_launch_dependents``). do_bench medians; the difference over
-the nine kernel boundaries is what PDL would give a site's chain of kernels
-(docs/small_tokens.md). Needs Triton >= 3.4 (``launch_pdl``).
+bf16: about a d = 4096 site's ``y`` and ``x`` at 1k tokens), at 264 and 1056 programs. Each
+chain runs captured in a CUDA graph and eagerly, launched plainly or with PDL: every program
+first waits for the kernel before it (``gdc_wait``), and with ``early`` also lets the next kernel
+launch at once (``gdc_launch_dependents``). do_bench medians; the difference over the nine kernel
+boundaries is what PDL would give a site's chain of kernels (docs/small_tokens.md). Needs a
+Triton with ``launch_pdl`` (3.6 has it).
 """
 
 import torch
