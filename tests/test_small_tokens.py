@@ -244,8 +244,9 @@ def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, on
     splits = stream_mix.bwd_d_splits(n, n_out, d, tokens, sms)
     block_t, block_d, _ = stream_mix._bwd_config(n, n_out, d)
     chunks, programs = -(-d // block_d), -(-tokens // block_t)
-    aim = (stream_mix.PRE_MIX_BWD_WAVES if one_out else stream_mix.MIX_BWD_WAVES) * sms  # programs in all
-    most = chunks // stream_mix.MIN_SPLIT_CHUNKS
+    one_stream_out = n_out == 1  # a pre-mix, also where n = 1
+    aim = (stream_mix.PRE_MIX_BWD_WAVES if one_stream_out else stream_mix.MIX_BWD_WAVES) * sms  # programs in all
+    most = chunks // (stream_mix.PRE_MIX_MIN_SPLIT_CHUNKS if one_stream_out else stream_mix.MIN_SPLIT_CHUNKS)
     assert splits >= 1
     if n > 4 or most <= 1:
         assert splits == 1
@@ -257,6 +258,18 @@ def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, on
             assert aim >= programs * (most - 0.5)
         if splits == 1:
             assert programs * 1.5 >= aim
+
+
+# (d, tokens, ranges) of the one-stream pre-mix swept on an H100 (132 SMs): the fastest count, or
+# within 1% of it (docs/benchmarks/small_tokens_split_sweep_h100.log)
+PRE_MIX_SWEPT = [(1024, 512, 2), (1024, 1024, 2), (1024, 2048, 2), (1024, 4096, 1), (2048, 512, 4),
+                 (2048, 1024, 4), (2048, 2048, 2), (2048, 4096, 1), (4096, 512, 8), (4096, 1024, 4),
+                 (4096, 2048, 2), (4096, 4096, 1)]
+
+
+@pytest.mark.parametrize("d, tokens, ranges", PRE_MIX_SWEPT)
+def test_the_pre_mix_backward_ranges_at_the_swept_sizes(d, tokens, ranges):
+    assert stream_mix.bwd_d_splits(N, 1, d, tokens, 132) == ranges
 
 
 @pytest.mark.parametrize("tokens", [1, 100, 1024, 4096, 10**6])

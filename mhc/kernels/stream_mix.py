@@ -311,20 +311,27 @@ def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
 MIX_BWD_WAVES = 4  # programs per SM the split aims at: the post-mix (several streams out)
 PRE_MIX_BWD_WAVES = 8  # one stream out: less work per program, more programs pay
 # chunks of BLOCK_D channels per range at least: the post-mix gained nothing from ranges of 2 chunks
-# (d = 1024), where a site is bound by the host, which the partial sums' launch costs
+# (d = 1024), where a site is bound by the host, which the partial sums' launch costs; the pre-mix
+# gains from them (d = 1024, 1k tokens: 18.2 -> 15.1 us in 2 ranges; d = 2048, 1k: 26.5 -> 22.9 us
+# in 4; the sweep's fastest count at every size swept, 512 to 16k tokens, d = 1024 to 4096)
 MIN_SPLIT_CHUNKS = 4
+PRE_MIX_MIN_SPLIT_CHUNKS = 2
 
 
 def bwd_d_splits(n: int, n_out: int, d: int, tokens, sms: int) -> int:
     """How many ranges of ``D`` the backward splits each token tile's channels into: about
-    ``MIX_BWD_WAVES`` programs per SM (``PRE_MIX_BWD_WAVES`` for one stream out), each range at
-    least ``MIN_SPLIT_CHUNKS`` chunks of ``BLOCK_D`` channels (n <= 4; 1 for a symbolic token
-    count, whose graph serves any count)."""
+    ``MIX_BWD_WAVES`` programs per SM, each range at least ``MIN_SPLIT_CHUNKS`` chunks of
+    ``BLOCK_D`` channels (for one stream out ``PRE_MIX_BWD_WAVES`` and
+    ``PRE_MIX_MIN_SPLIT_CHUNKS``); n <= 4, and 1 for a symbolic token count, whose graph serves any
+    count."""
     if n > 4 or type(tokens) is not int:
         return 1
     block_t, block_d, _ = _bwd_config(n, n_out, d)
-    waves = MIX_BWD_WAVES if n_out > 1 else PRE_MIX_BWD_WAVES
-    most = cdiv(d, block_d) // MIN_SPLIT_CHUNKS
+    if n_out > 1:
+        waves, min_chunks = MIX_BWD_WAVES, MIN_SPLIT_CHUNKS
+    else:
+        waves, min_chunks = PRE_MIX_BWD_WAVES, PRE_MIX_MIN_SPLIT_CHUNKS
+    most = cdiv(d, block_d) // min_chunks
     return per_tile(cdiv(tokens, block_t), waves, sms, most)
 
 
