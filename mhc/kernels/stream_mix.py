@@ -312,8 +312,9 @@ MIX_BWD_WAVES = 4  # programs per SM the split aims at: the post-mix (several st
 PRE_MIX_BWD_WAVES = 8  # one stream out: less work per program, more programs pay
 # chunks of BLOCK_D channels per range at least: the post-mix gained nothing from ranges of 2 chunks
 # (d = 1024), where a site is bound by the host, which the partial sums' launch costs; the pre-mix
-# gains from them (d = 1024, 1k tokens: 18.2 -> 15.1 us in 2 ranges; d = 2048, 1k: 26.5 -> 22.9 us
-# in 4; the sweep's fastest count at every size swept, 512 to 16k tokens, d = 1024 to 4096)
+# gains from them (d = 1024, 1k tokens: 18.3 -> 15.1 us in 2 ranges; d = 2048, 1k: 26.7 -> 23.0 us
+# in 4; the sweep's fastest count, or within 1% of it, at every size swept: 512 to 16k tokens,
+# d = 1024 to 8192)
 MIN_SPLIT_CHUNKS = 4
 PRE_MIX_MIN_SPLIT_CHUNKS = 2
 
