@@ -473,16 +473,23 @@ def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=
 SUM_TOKENS = 64  # tokens per program of the partial sums
 
 
+@launch_plan
+def _sums_meta(n: int, n_out: int, has_b: bool):
+    """``(meta, meta key)`` of the partial sums' launch: one per configuration."""
+    meta = dict(W=n_out * n, WP=next_pow2(n_out * n), B=n_out if has_b else 0, BP=next_pow2(n_out),
+                BLOCK_T=SUM_TOKENS, num_warps=4)
+    return meta, ("sums", n_out, n, has_b)
+
+
 def _add_partial_sums(dw_parts, db_parts):
     """``(dw [T, N_OUT, N], db [T, N_OUT] or None)``: the partial sums of the ranges of ``D``
     (``[ranges, T, ...]``) added in range order (deterministic), both in one launch."""
     splits, T, n_out, n = dw_parts.shape
+    has_b = db_parts is not None
     dw = torch.empty((T, n_out, n), dtype=torch.float32, device=dw_parts.device)
-    db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if db_parts is not None else None
-    has_b = db is not None
-    meta = dict(W=n_out * n, WP=next_pow2(n_out * n), B=n_out if has_b else 0, BP=next_pow2(n_out),
-                BLOCK_T=SUM_TOKENS, num_warps=4)
+    db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if has_b else None
+    meta, key = _sums_meta(n, n_out, has_b)
     launch(partial_sums_kernel, (cdiv(T, SUM_TOKENS),), (dw_parts, db_parts if has_b else dw_parts),
-           (dw, db if has_b else dw_parts), (T, splits), meta, ("sums", n_out, n, has_b))
+           (dw, db if has_b else dw_parts), (T, splits), meta, key)
     return dw, db
 
