@@ -363,16 +363,15 @@ def coefficient_grad_kernel(
 @triton.jit(do_not_specialize=["T", "SPLITS", "BIAS_ROWS"])
 def projection_bwd_kernel(
     # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
-    # dx_in [T, D]; dx_acc [T, N, D], added to dx as it is, or with MIX_ACC the post-mix's output
-    # gradient, added as h_res^T dx_acc with the post-mix's h_res [T, N, N]; partial_bias
-    # [BIAS_ROWS, M + 3] (the coefficient-gradient kernel's per-program sums)
-    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr, h_res_ptr, partial_bias_ptr,
+    # dx_in [T, D]; dx_acc [T, N, D] (added to dx); partial_bias [BIAS_ROWS, M + 3] (the
+    # coefficient-gradient kernel's per-program sums)
+    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr, partial_bias_ptr,
     # outputs: dx [T, N, D] (x's dtype); partial [SPLITS, N * D * M + M + 3] fp32, per split its
     # dphi [N * D, M] then its share of the sums of partial_bias, so that one sum over the splits
     # gives both
     dx_ptr, partial_ptr,
     T, D, SPLITS, BIAS_ROWS,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr, MIX_ACC: tl.constexpr,
+    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
     SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     DX: tl.constexpr, DPHI: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
 ):
@@ -415,14 +414,7 @@ def projection_bwd_kernel(
             # products as one tile: one layout conversion into the products' layout instead of
             # one per loaded tile (fewer registers: 249 -> 186 at n = 4)
             dx_rest = h_pre[:, None] * b_dx_in - c[:, None] * b_x.to(tl.float32)
-            if MIX_ACC:
-                # the post-mix's gradient of stream j, sum_i h_res[i, j] dout_i: read here rather
-                # than written by the post-mix backward and read back (one stream-sized write less)
-                for i in tl.static_range(N):
-                    h_ij = tl.load(h_res_ptr + o_t * (N * N) + i * N + j, mask=t_ok, other=0.0)
-                    p_dout = dx_acc_ptr + o_t[:, None] * (N * D) + i * D + o_c[None, :]
-                    dx_rest += h_ij[:, None] * tl.load(p_dout, mask=m, other=0.0).to(tl.float32)
-            elif ACCUMULATE:
+            if ACCUMULATE:
                 dx_rest += tl.load(dx_acc_ptr + p_x, mask=m, other=0.0).to(tl.float32)
             dx = tl.dot(b_g_pp, phi_pp_t, input_precision=DX_PRECISION)
             dx += tl.dot(b_g_res, phi_res_t, input_precision=DX_PRECISION)
@@ -627,13 +619,13 @@ def _grad_plan(n: int, d: int, T: int, has_dh_pre: bool, device):
 
 
 @launch_plan
-def _projection_meta(n: int, d: int, dtype, accumulate: str | None, split_bf16: bool, precision: str, part: str):
+def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, precision: str, part: str):
     config = dphi_bwd_config if part == "dphi" else projection_bwd_config
     block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
     # programs an SM holds at once where the registers per thread are capped (64K registers per SM)
     resident = None if maxnreg is None else 65536 // (maxnreg * 32 * num_warps)
-    meta = dict(**_columns(n), ACCUMULATE=accumulate == "dx", MIX_ACC=accumulate == "post_mix",
-                SPLIT_BF16=split_bf16, DX_PRECISION=precision, BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", BLOCK_R=BIAS_TILE,
+    meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
+                BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", BLOCK_R=BIAS_TILE,
                 NB=next_pow2(2 * n + n * n + 3), num_warps=num_warps,
                 num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
@@ -754,7 +746,7 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
 
 def coefficients_bwd(
     x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
-    hc_eps: float = 0.0, acc_h_res=None,
+    hc_eps: float = 0.0,
 ):
     """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
     shaped like ``x [..., N, D]``.
@@ -763,20 +755,18 @@ def coefficients_bwd(
     coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
     ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
     of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
-    d(projection)/dx + grad_x_acc`` (when given), written once. With ``acc_h_res [T, N, N]`` (fp32),
-    ``grad_x_acc`` is instead the gradient of a post-mix's output ``sum_j acc_h_res[:, i, j] x_j
-    + ...`` and ``dx`` gets ``acc_h_res^T grad_x_acc``: the post-mix backward then need not write
-    its ``dx``. ``dphi`` and ``dbias_alpha`` are views of one tensor (:func:`coefficients_bwd_packed`).
+    d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
+    views of one tensor (:func:`coefficients_bwd_packed`).
     """
     dx, packed = coefficients_bwd_packed(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in,
-                                         grad_x_acc, hc_eps, acc_h_res)
+                                         grad_x_acc, hc_eps)
     dphi, dbias_alpha = packed.split_with_sizes((phi.numel(), packed.numel() - phi.numel()))
     return dx, dphi.view(phi.shape), dbias_alpha
 
 
 def coefficients_bwd_packed(
     x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
-    hc_eps: float = 0.0, acc_h_res=None,
+    hc_eps: float = 0.0,
 ):
     """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
     dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
@@ -795,10 +785,9 @@ def coefficients_bwd_packed(
         x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
     )
     dx = torch.empty_like(x)
-    accumulate = None if grad_x_acc is None else "dx" if acc_h_res is None else "post_mix"
+    accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
-    acc_h_res = h_pre if acc_h_res is None else acc_h_res.contiguous()
-    inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, acc_h_res, partial_bias)
+    inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
     for part, grid, meta, key in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
         if part != "dx":
             partial = torch.empty((grid[1], K * M + M + 3), **f32)
@@ -808,10 +797,9 @@ def coefficients_bwd_packed(
 
 
 @launch_plan
-def _projection_plan(n: int, d: int, T: int, dtype, accumulate: str | None, split_bf16: bool, device) -> tuple:
+def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
     """The projection backward's launches, ``((part, grid (chunks, token splits), meta, key), ...)``,
-    worked out once per size (host time per launch). ``accumulate``: ``None``, ``"dx"`` (another
-    gradient of ``x`` added) or ``"post_mix"`` (a post-mix's output gradient, mixed here)."""
+    worked out once per size (host time per launch)."""
     precision = dx_precision(dtype, n)
     plan = []
     for part in projection_passes(n):
