@@ -65,10 +65,13 @@ for stage in "$@"; do
              --out-dir "$out/large_1024" 2>&1 | tee "$out/large_1024.log"
            $bench --models 4096 --arms plain mhc mhc-chain --modes eager compiled --batch 8 --seq 1024 \
              --out-dir "$out/large_4096" 2>&1 | tee "$out/large_4096.log" ;;
-    table-1024) $bench --models 1024 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
-             --batch 1 2 4 8 16 --out-dir "$out/table_1024" 2>&1 | tee "$out/table_1024.log" ;;
-    table-4096) $bench --models 4096 --arms plain mhc mhc-chain liger --modes eager compiled graphs --seq 1024 \
-             --batch 1 2 4 8 16 --out-dir "$out/table_4096" 2>&1 | tee "$out/table_4096.log" ;;
+    table-1024|table-4096)  # pinned to one host core; BATCHES: sequences of 1k tokens per step (a
+      # whole table takes longer than one device call allows: a few batch sizes per call)
+      dim=${stage#table-}
+      for batch in ${BATCHES:-1 2 4 8 16}; do
+        taskset -c 5 $bench --models $dim --arms plain mhc mhc-chain liger --modes eager compiled graphs \
+          --seq 1024 --batch $batch --out-dir "$out/table_${dim}_$batch" 2>&1 | tee -a "$out/table_$dim.log"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
