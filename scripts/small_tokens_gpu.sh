@@ -45,7 +45,8 @@ for stage in "$@"; do
             --out "$out/site_kernels_$arm.txt" 2>&1 | tee "$out/site_$arm.log" )
       done ;;
     eager-ab)  # the eager GPT at 2k tokens pinned to one host core, before (.old/) and after, alternated
-      for arm in before after before after; do
+      # (ORDER: the processes' order, "before after before after" unless given)
+      for arm in ${ORDER:-before after before after}; do
         [ $arm = before ] && { [ -d .old/mhc ] || continue; }
         ( [ $arm = before ] && export PYTHONPATH=$PWD/.old:$PYTHONPATH
           echo "## $arm"; taskset -c 5 $bench --models 1024 --arms plain mhc mhc-chain --modes eager --batch 2 \
