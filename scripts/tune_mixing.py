@@ -510,8 +510,9 @@ def sweep_small_tokens_split():
                     sets.append((x, w, y, b, g, acc))
                 nbytes = (2 * x.numel() + g.numel() + (y.numel() * 2 if n_out > 1 else x.numel())) * 2
                 calls = lambda: [kernels.stream_mix_bwd(*args) for args in sets]
+                chunks = -(-dim // stream_mix._bwd_config(STREAMS, n_out, dim)[1])
                 for splits in (1, 2, 3, 4, 8):
-                    if splits > 1 and -(-dim // 256) < splits * 2:
+                    if splits > 1 and chunks < splits * 2:  # ranges of 2 chunks at least
                         continue
                     stream_mix.bwd_d_splits = lambda n, n_out, d, tokens, s, splits=splits: splits
                     _uncached()
