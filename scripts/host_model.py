@@ -14,13 +14,15 @@ development machine, an AMD EPYC).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # lets the fused path run on CPU tensors; launches are faked below
+if __name__ == "__main__":  # imported (scripts/eager_floor.py), the kernels run on the GPU
+    os.environ["TRITON_INTERPRET"] = "1"  # lets the fused path run on CPU tensors; launches are faked below
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -42,15 +44,24 @@ def fake_launch(kernel, grid, *groups) -> None:
         _launch._CACHE.get((id(kernel), meta_key, args[0].get_device(), _launch._specialization(args)))
         return
     inputs, outputs, scalars, _, meta_key = groups
-    (*inputs, *outputs, *scalars)  # launch() builds this argument tuple: part of its host cost, kept here
-    _launch._CACHE.get((id(kernel), meta_key, inputs[0].get_device(), _launch._specialization(inputs, scalars)))
+    (*inputs, *outputs, *scalars)  # launch() builds this argument tuple and reads the outputs' addresses:
+    [out.data_ptr() for out in outputs]  # part of its host cost, kept here
+    _launch._CACHE.get((id(kernel), meta_key, inputs[0].get_device(), _launch._specialization(inputs, scalars)[0]))
 
 
-def fake_kernels() -> None:
-    for name in KERNEL_MODULES:
-        module = importlib.import_module("mhc.kernels." + name)
-        if hasattr(module, "launch"):
-            module.launch = fake_launch
+@contextlib.contextmanager
+def faked_launches():
+    """Inside, every kernel module's launches are :func:`fake_launch`: the launchers' host work
+    without the launch."""
+    modules = [importlib.import_module("mhc.kernels." + name) for name in KERNEL_MODULES]
+    saved = [(m, m.launch) for m in modules if hasattr(m, "launch")]
+    for module, _ in saved:
+        module.launch = fake_launch
+    try:
+        yield
+    finally:
+        for module, launch in saved:
+            module.launch = launch
 
 
 class OutputsOnly:
@@ -74,15 +85,24 @@ class OutputsOnly:
         return lambda *args: self._call(name, *args)
 
 
-def outputs_only_launchers() -> None:
+@contextlib.contextmanager
+def outputs_only_launchers(stub: OutputsOnly | None = None):
+    """Inside, the eager sites' launchers only allocate their outputs (``stub``: one kept from an
+    earlier use, its shapes already taken)."""
     from mhc import layer, mixing_ops
     from mhc.kernels import mhc_coefficients
 
     # the names of mixing_ops' eager launchers; the coefficient backward's is the packed one
-    stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch,
-                       coefficients_bwd=mhc_coefficients.coefficients_bwd_packed)
+    if stub is None:
+        stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch,
+                           coefficients_bwd=mhc_coefficients.coefficients_bwd_packed)
+    saved = mixing_ops._launchers(), mixing_ops.sinkhorn_bwd_launch
     mixing_ops._EAGER = stub
     mixing_ops.sinkhorn_bwd_launch = lambda *args: stub._call("sinkhorn_bwd", *args)
+    try:
+        yield stub
+    finally:
+        mixing_ops._EAGER, mixing_ops.sinkhorn_bwd_launch = saved
 
 
 def per_call_us(fn, calls: int, rounds: int = 15) -> float:
@@ -203,10 +223,8 @@ def fsdp_model(dim: int = 64, layers: int = 8, seq: int = 16) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    fake_kernels()
     what = sys.argv[1] if len(sys.argv) > 1 else "site"
     if what not in ("site", "floor", "fsdp", "launchers"):
         sys.exit(f"usage: python {sys.argv[0]} [site|floor|fsdp|launchers]")
-    if what == "floor":
-        outputs_only_launchers()
-    {"fsdp": fsdp_model, "launchers": launcher_times}.get(what, site_model)()
+    with faked_launches(), outputs_only_launchers() if what == "floor" else contextlib.nullcontext():
+        {"fsdp": fsdp_model, "launchers": launcher_times}.get(what, site_model)()

@@ -11,8 +11,8 @@ from tests.test_mixing_chain import make_chain, run_chain
 
 def test_key_separates_what_triton_specializes_on():
     def key(arg):
-        return _launch._specialization((arg,), ()) if isinstance(arg, torch.Tensor) else \
-            _launch._specialization((), (arg,))
+        return _launch._specialization((arg,), ())[0] if isinstance(arg, torch.Tensor) else \
+            _launch._specialization((), (arg,))[0]
 
     base = torch.empty(64)
     assert key(base) != key(base[1:])  # 16-byte aligned or not
@@ -20,7 +20,9 @@ def test_key_separates_what_triton_specializes_on():
     assert key(1) != key(2) and key(16) != key(17) and key(2) == key(3)
     assert key(2**31) != key(2**31 - 2)  # 32-bit range
     assert key(0.5) == key(2.0) and key(True) != key(False) and key(True) != key(1)
-    assert _launch._specialization((base, base[1:]), ()) != _launch._specialization((base[1:], base), ())
+    assert _launch._specialization((base, base[1:]), ())[0] != _launch._specialization((base[1:], base), ())[0]
+    assert key(base) == key(torch.empty(64))  # the address itself is not part of the key
+    assert _launch._specialization((base, base[1:]), (3,))[1] == [base.data_ptr(), base[1:].data_ptr()]
 
 
 KERNEL_MODULES = ("stream_mix", "mhc_coefficients", "sinkhorn", "sinkhorn_eps", "sinkhorn_implicit", "sinkhorn_tiled")
@@ -86,6 +88,33 @@ def test_fast_launch_gives_the_same_bits(monkeypatch):
         for got in results[1:]:
             for k in results[0]:
                 assert torch.equal(got[k], results[0][k]), (offset, k)
+
+
+@pytest.mark.gpu
+def test_fast_launch_hands_the_launcher_addresses(monkeypatch):
+    """From the cache, with no launch hook, the compiled kernel's launcher gets every pointer as
+    an int (the tensors' addresses: no data_ptr() call or driver query per argument there), and
+    the results are those of ``kernel[grid]`` (``test_fast_launch_gives_the_same_bits``)."""
+    hc = HyperConnection(64, 4, torch.nn.Linear(64, 64), init="zero").cuda()
+    x = torch.randn(8, 4, 64, device="cuda")
+    expected = hc(x)  # fills the cache
+    handed = []
+
+    class Spy:  # the compiled kernel, recording what its launcher is handed
+        def __init__(self, compiled):
+            self.compiled, self.function, self.packed_metadata = compiled, compiled.function, compiled.packed_metadata
+
+        def run(self, *args):
+            handed.append(args[9:])  # after grid, stream, function, metadata and the hooks
+            return self.compiled.run(*args)
+
+    for key, cached in list(_launch._CACHE.items()):
+        monkeypatch.setitem(_launch._CACHE, key, _launch._Cached(Spy(cached.kernel), cached.constexprs))
+    torch.testing.assert_close(hc(x), expected, rtol=0, atol=0)
+    assert len(handed) == 2  # the coefficient forward and the post-mix
+    for args in handed:
+        assert not any(isinstance(a, torch.Tensor) for a in args)
+        assert any(a == x.data_ptr() for a in args[:2])  # the streams, read as they are (contiguous)
 
 
 @pytest.mark.gpu

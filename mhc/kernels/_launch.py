@@ -4,8 +4,15 @@
 hashes the result and looks the compiled kernel up before launching it. A hyper-connection site
 launches four to six kernels per step, so :func:`launch` keeps the compiled kernel of each
 specialization and calls its launcher directly: a site's host time over its branch went from
-+1955 to +1109 us on an H100 machine (``docs/mixing.md``, "Host time"); one launch now takes
-about 17 us there, 8.5 of them in the compiled kernel's own launcher.
++1955 to +1109 us on an H100 machine (``docs/mixing.md``, "Host time"). One launch takes about
+9 us on the H100 machines measured last, 4.5-5 of them in the compiled kernel's own launcher
+(``scripts/launch_host.py``; ``kernel[grid]`` takes 16-17 us there).
+
+The compiled launcher is handed the tensors' addresses as ints. Given a tensor, Triton's launcher
+calls its ``data_ptr()`` and asks the driver about the address (``cuPointerGetAttribute``), for
+every pointer argument of every launch; given an int, it takes it as it is (0.1-0.2 us less per
+pointer, ``docs/small_tokens.md``). The addresses of the inputs are read anyway for the key. A
+launch hook (a profiler) still gets the tensors.
 
 The cache key holds what Triton specializes on: the launch's device and meta-parameters, per
 input tensor its dtype and whether its address is a multiple of 16, per scalar an int's 32-bit
@@ -40,19 +47,21 @@ FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
 _Tensor = torch.Tensor
 
 
-def _specialization(inputs: tuple, scalars: tuple) -> tuple:
-    """What Triton specializes ``inputs`` (tensors) and ``scalars`` on, flattened into one tuple (one
-    pass, no call per argument: this runs on every launch). The device is the launch's, not part
-    of this key."""
-    key = []
+def _specialization(inputs: tuple, scalars: tuple) -> tuple[tuple, list]:
+    """``(key, addresses)``: what Triton specializes ``inputs`` (tensors) and ``scalars`` on,
+    flattened into one tuple (one pass, no call per argument: this runs on every launch), and the
+    inputs' addresses read on the way. The device is the launch's, not part of this key."""
+    key, addresses = [], []
     for a in inputs:
-        key += (a.dtype, a.data_ptr() & 15 == 0)
+        address = a.data_ptr()
+        addresses.append(address)
+        key += (a.dtype, address & 15 == 0)
     for a in scalars:
         if type(a) is int:
             key += (-(2**31) <= a < 2**31, a == 1, a & 15 == 0)
         else:
             key.append(a if type(a) is bool else type(a))
-    return tuple(key)
+    return tuple(key), addresses
 
 
 class _Cached:
@@ -82,7 +91,8 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
         return
     # id(kernel): a JITFunction hashes through Python code; the kernels live as long as their module
     device = inputs[0].get_device()
-    key = (id(kernel), meta_key, device, _specialization(inputs, scalars))
+    specialization, addresses = _specialization(inputs, scalars)
+    key = (id(kernel), meta_key, device, specialization)
     cached = _CACHE.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
@@ -90,16 +100,20 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
         _CACHE[key] = _Cached(compiled, tuple(meta[name] for name in names))
         return
     compiled = cached.kernel
-    full = (*args, *cached.constexprs)
     stream = torch._C._cuda_getCurrentRawStream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if _no_hook(enter) and _no_hook(leave):
-        # the launcher calls no hook given None, and no hook needs the launch's metadata
+        # the launcher calls no hook given None, and no hook needs the launch's metadata. It gets
+        # addresses, not tensors: an int it takes as it is, while of a tensor it calls data_ptr()
+        # and asks the driver about the address (cuPointerGetAttribute), argument by argument
+        for out in outputs:
+            addresses.append(out.data_ptr())
         compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *full)
+                     *addresses, *scalars, *cached.constexprs)
         return
+    full = (*args, *cached.constexprs)  # a hook may read the tensors (a profiler: their sizes)
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *full), enter, leave, *full)
 
