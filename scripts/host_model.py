@@ -157,21 +157,18 @@ def site_model(dim: int = 64, n: int = 4, tokens: int = 4) -> None:
           f"+{in_chain - base:.0f} us")
 
 
-def launcher_times(n: int = 4, dim: int = 256, tokens: int = 64) -> None:
-    """Each launcher a site calls, alone, on the path it takes on a GPU where tokens are few (the
-    CPU's stand-in SM count makes 64 tokens at ``n * d = 1024`` take the forward split)."""
-    import timeit
-
+def site_launcher_calls(n: int, dim: int, tokens: int, device="cpu", dtype=torch.float32) -> dict:
+    """``{name: call}``: each launcher a site calls, with arguments of a site's shapes."""
     from mhc import layer
     from mhc.kernels import mhc_coefficients as coefficients, stream_mix
 
     torch.manual_seed(0)
     M = 2 * n + n * n
-    x, y = torch.randn(tokens, n, dim), torch.randn(tokens, dim)
-    phi, alpha, bias = (nn.Parameter(torch.randn(shape)) for shape in ((n * dim, M), (3,), (M,)))
+    x, y = torch.randn(tokens, n, dim, dtype=dtype, device=device), torch.randn(tokens, dim, dtype=dtype, device=device)
+    phi, alpha, bias = (nn.Parameter(torch.randn(shape, device=device)) for shape in ((n * dim, M), (3,), (M,)))
     _, p, r, h_pre, h_post, z_res, h_res = coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, 20, 1e-6)
     grad_x, grad_y = torch.randn_like(x), torch.randn_like(y)
-    calls = {
+    return {
         "coefficients forward": lambda: coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, 20, 1e-6),
         "post-mix forward": lambda: stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post),
         "post-mix backward": lambda: stream_mix.stream_mix_bwd_unchecked(x, h_res, y, h_post, grad_x, None, True),
@@ -179,8 +176,15 @@ def launcher_times(n: int = 4, dim: int = 256, tokens: int = 64) -> None:
         "coefficient backward": lambda: coefficients.coefficients_bwd_packed(
             x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, grad_y, grad_x, 0.0),
     }
+
+
+def launcher_times(n: int = 4, dim: int = 256, tokens: int = 64) -> None:
+    """Each launcher a site calls, alone, on the path it takes on a GPU where tokens are few (the
+    CPU's stand-in SM count makes 64 tokens at ``n * d = 1024`` take the forward split)."""
+    import timeit
+
     total = 0.0
-    for name, call in calls.items():
+    for name, call in site_launcher_calls(n, dim, tokens).items():
         us = min(timeit.repeat(call, number=2000, repeat=15)) / 2000 * 1e6
         total += us
         print(f"{name:>22} {us:6.1f} us")

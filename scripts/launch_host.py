@@ -20,6 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from host_model import site_launcher_calls  # noqa: E402
 from mhc.kernels import _launch  # noqa: E402
 
 
@@ -68,27 +69,9 @@ def one_launch() -> None:
 
 
 def site_launchers(n: int = 4, dim: int = 1024, tokens: int = 64) -> None:
-    from mhc import layer
-    from mhc.kernels import mhc_coefficients as coefficients, stream_mix
-
-    torch.manual_seed(0)
-    dev = dict(device="cuda")
-    M = 2 * n + n * n
-    x, y = torch.randn(tokens, n, dim, dtype=torch.bfloat16, **dev), torch.randn(tokens, dim, dtype=torch.bfloat16, **dev)
-    phi, alpha, bias = (torch.randn(shape, **dev) for shape in ((n * dim, M), (3,), (M,)))
-    _, p, r, h_pre, h_post, z_res, h_res = coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, 20, 1e-6)
-    grad_x, grad_y = torch.randn_like(x), torch.randn_like(y)
-    calls = {
-        "coefficients forward": lambda: coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, 20, 1e-6),
-        "post-mix forward": lambda: stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post),
-        "post-mix backward": lambda: stream_mix.stream_mix_bwd_unchecked(x, h_res, y, h_post, grad_x, None, True),
-        "Sinkhorn backward": lambda: layer.sinkhorn_bwd_launch(z_res, h_res, 20, "exact", 0.0),
-        "coefficient backward": lambda: coefficients.coefficients_bwd_packed(
-            x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, grad_y, grad_x, 0.0),
-    }
     total = 0.0
     print(f"the launchers of a site, n = {n}, d = {dim}, {tokens} tokens:")
-    for name, call in calls.items():
+    for name, call in site_launcher_calls(n, dim, tokens, "cuda", torch.bfloat16).items():
         us = us_per_call(call, number=500)
         total += us
         print(f"{name:>40} {us:6.2f} us", flush=True)
