@@ -163,8 +163,11 @@ class Site:
         return x_in, ReferenceFinish(self, x, h_post, h_res, plan)
 
     def _check_input(self, x) -> None:
+        # every parameter: the kernels take their addresses as they are (no driver check per launch)
         check_streams(x, self.n_streams, self.dim, "x")
-        check_same_device(x, self.mixing_parameters()[2].device, "x", "the layer's parameters")
+        for p in self.mixing_parameters():
+            if p is not None:
+                check_same_device(x, p.device, "x", "the layer's parameters")
 
     def _fused_finish(self, x_in, h_post, h_res, x_pass, plan):
         if self._recorder is not None:  # the reshape only while recording: it costs host time per site

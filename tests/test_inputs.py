@@ -387,6 +387,15 @@ n_, d_ = 4, 8
 X = lambda: torch.randn(2, 3, n_, d_)  # noqa: E731  (modules and helpers: CPU)
 XK = lambda: torch.randn(2, 3, n_, d_, device=DEVICE)  # noqa: E731  (the fused functionals: the kernels' device)
 META = torch.device("meta")
+
+
+def hc_with_parameter_on(device, name: str) -> HyperConnection:
+    """A HyperConnection whose parameter ``name`` alone lives on ``device``."""
+    hc = HyperConnection(d_, n_, nn.Identity())
+    setattr(hc, name, nn.Parameter(torch.zeros_like(getattr(hc, name), device=device)))
+    return hc
+
+
 BAD_CALLS = [
     # (call, error, message naming the argument)
     (lambda: stream_collapse(X(), torch.randn(32, 5), torch.ones(1), torch.zeros(4)), ValueError, "phi must have shape"),
@@ -412,6 +421,8 @@ BAD_CALLS = [
     (lambda: collect_h_res("model").__enter__(), TypeError, "model must be a torch.nn.Module"),
     (lambda: HyperConnection(8, 4, branch=3), TypeError, "branch must be a module"),
     (lambda: HyperConnection(d_, n_, nn.Identity())(torch.randn(2, n_, d_, device=META)), ValueError, "x is on meta"),
+    (lambda: hc_with_parameter_on(META, "phi")(X()), ValueError, "x is on cpu, the layer's parameters on meta"),
+    (lambda: hc_with_parameter_on(META, "alpha")(X()), ValueError, "x is on cpu, the layer's parameters on meta"),
     (lambda: HyperConnection(d_, n_, lambda h: h.long())(X()), TypeError, "branch output must be a floating"),
     (lambda: HyperConnection(d_, n_, lambda h: h.to(META))(X()), ValueError, "branch output is on meta"),
     (lambda: LaneMixer(n_)(torch.randn(2, n_, d_, device=META)), ValueError, "x is on meta"),
