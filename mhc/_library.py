@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from mhc import _write_analysis
+from mhc import _compat, _write_analysis
 
 __all__ = ["TRITON_OP", "kernel_op", "tracing"]
 
@@ -46,6 +46,8 @@ TRITON_OP = (
 
 tracing = False  # inside a triton_op's body: launches go through torch.library.wrap_triton
 
+_compat.backport_checkpoint_tags()  # the sites' Functions inside checkpointed regions, compiled
+
 
 @contextlib.contextmanager
 def _tracing():
@@ -57,13 +59,17 @@ def _tracing():
         tracing = before
 
 
-def kernel_op(name: str, fake):
+def kernel_op(name: str, fake, opaque: bool = False):
     """Register the launcher ``fn`` as the op ``name`` (``"mhc::..."``, no argument mutated):
     a ``triton_op`` where :data:`TRITON_OP`, else a ``custom_op`` with the fake implementation
-    ``fake`` (a ``triton_op`` derives its own by running ``fn`` on fake tensors)."""
+    ``fake`` (a ``triton_op`` derives its own by running ``fn`` on fake tensors).
+
+    ``opaque``: always a ``custom_op``, one node of the compiled graph. Identical calls of such an
+    op are merged by the graph's common-subexpression pass; a ``triton_op``'s calls never are, since
+    each allocates its output with ``aten.empty``, which that pass leaves alone."""
 
     def register(fn):
-        if not TRITON_OP:
+        if opaque or not TRITON_OP:
             op = torch.library.custom_op(name, fn, mutates_args=())
             op.register_fake(fake)
             return op

@@ -1,0 +1,112 @@
+"""Differences between PyTorch versions that ``mhc`` works around, in one place.
+
+Activation checkpointing under ``torch.compile`` (PyTorch < 2.12): Dynamo turns a checkpointed
+region into a ``tag_activation_checkpoint`` graph whose nodes it tags "recompute"; the
+partitioner then recomputes them in the backward instead of saving them. An ``autograd.Function``
+in the region is one ``autograd_function_apply`` node there, and its forward's ops live in a
+subgraph that the tagging never visits. When AOTAutograd inlines that subgraph the ops carry no
+tag, so the partitioner saves what they make, and checkpointing saves nothing for them: for an mHC
+model every site's streams, branch input and coefficients. PyTorch fixed this in
+pytorch/pytorch#177396 by tagging every op through a dispatch mode.
+:func:`backport_checkpoint_tags` gives older versions the same result: the subgraph of every
+``autograd.Function`` inside a checkpointed region gets its region's tags. Versions with the fix no
+longer have the hook it wraps (``TagActivationCheckpoint.tag_nodes``), and nothing is changed there;
+``MHC_CHECKPOINT_TAGS=0`` leaves PyTorch as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active"]
+
+
+_TAGS = ("ac_graph_id", "recompute")
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (selective activation checkpointing, a FLOP
+    counter): the fused layers then call their kernels through the registered ops, which such a
+    mode sees, instead of launching them directly."""
+    return torch._C._len_torch_dispatch_stack() > 0
+_installed = False
+
+
+def backport_checkpoint_tags() -> bool:
+    """Tag the forward subgraphs of ``autograd.Function``\\ s inside checkpointed regions under
+    ``torch.compile`` as their region (PyTorch < 2.12); returns whether the hook is installed."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get("MHC_CHECKPOINT_TAGS", "1") == "0":
+        return False
+    try:
+        from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    except ImportError:
+        return False
+    original = getattr(TagActivationCheckpoint, "tag_nodes", None)
+    if original is None or not hasattr(torch.ops.higher_order, "autograd_function_apply"):
+        return False  # a PyTorch that tags every op itself
+
+    def tag_nodes(gmod, *args, **kwargs):
+        gmod = original(gmod, *args, **kwargs)
+        tag_function_bodies(gmod)
+        save_function_outputs(gmod)
+        return gmod
+
+    TagActivationCheckpoint.tag_nodes = staticmethod(tag_nodes)
+    _installed = True
+    return True
+
+
+def tag_function_bodies(gmod: torch.fx.GraphModule) -> None:
+    """Copy each ``autograd_function_apply`` node's checkpoint tags onto the nodes of its forward
+    subgraph (and of the subgraphs nested in it)."""
+    apply = torch.ops.higher_order.autograd_function_apply
+    for node in gmod.graph.nodes:
+        if node.op != "call_function" or node.target is not apply or not node.args:
+            continue
+        body_node = node.args[0]
+        if not isinstance(body_node, torch.fx.Node) or body_node.op != "get_attr":
+            continue
+        body = getattr(gmod, body_node.target)
+        tags = {key: node.meta[key] for key in _TAGS if key in node.meta}
+        for inner in body.graph.nodes:
+            if inner.op in ("call_function", "call_method", "call_module"):
+                inner.meta.update(tags)
+        tag_function_bodies(body)
+
+
+def save_function_outputs(gmod: torch.fx.GraphModule) -> None:
+    """Mark the ops that make a checkpointed region's outputs inside ``autograd.Function`` bodies
+    ``MUST_SAVE``: the region's output is the next region's input, which checkpointing keeps. The
+    partitioner does that itself for an output made by a tagged op, but not where the op is a
+    user Triton kernel (a ``triton_op``), whose outputs are ``getitem``\\ s of one node and are
+    never forced to be saved: the next region's backward would then recompute every region
+    before it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    apply = torch.ops.higher_order.autograd_function_apply
+    output = next(n for n in gmod.graph.nodes if n.op == "output")
+    for value in _flat(output.args):
+        function, index = value, 0
+        if value.op == "call_function" and value.target is operator.getitem:
+            function, index = value.args
+        if function.op != "call_function" or function.target is not apply or not isinstance(index, int):
+            continue
+        body = getattr(gmod, function.args[0].target)
+        body_output = next(n for n in body.graph.nodes if n.op == "output")
+        outputs = body_output.args[0][0]  # a Function's body returns ((outputs...), (saved...))
+        made = outputs[index] if isinstance(outputs, (tuple, list)) and index < len(outputs) else None
+        if isinstance(made, torch.fx.Node) and made.op == "call_function":
+            made.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _flat(args) -> list:
+    """The nodes in a nested tuple of graph arguments."""
+    nodes = []
+    torch.fx.node.map_arg(args, nodes.append)
+    return nodes
