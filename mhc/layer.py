@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mhc import reference
+from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
 
 __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
@@ -113,8 +114,9 @@ def _sinkhorn_eps_bwd_op(logits: torch.Tensor, grad_out: torch.Tensor, iters: in
 
 def sinkhorn_launchers():
     """``(forward, exact backward, implicit backward, eps forward, eps backward)``: the kernels'
-    launchers in eager mode, the registered ops while ``torch.compile`` traces."""
-    if torch.compiler.is_compiling():
+    launchers in eager mode, the registered ops while ``torch.compile`` traces or a dispatch mode
+    watches."""
+    if torch.compiler.is_compiling() or dispatch_mode_active():
         ops = torch.ops.mhc
         return ops.sinkhorn_fwd, ops.sinkhorn_bwd, ops.sinkhorn_implicit_bwd, ops.sinkhorn_eps_fwd, ops.sinkhorn_eps_bwd
     k = _kernels()

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from mhc._autograd import refuse_double_backward
+from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
 from mhc.layer import _kernels, check_settings, sinkhorn_bwd_launch
 from mhc.recompute import steps_of
@@ -107,14 +108,15 @@ def _coefficients_bwd_op(
     )
 
 
-@kernel_op("mhc::stream_recompute", lambda x, h_res, y, h_post, after: torch.empty_like(x))
+@kernel_op("mhc::stream_recompute", lambda x, h_res, y, h_post, after: torch.empty_like(x), opaque=True)
 def _stream_recompute_op(
     x: torch.Tensor, h_res: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, after: torch.Tensor
 ) -> torch.Tensor:
     # One post-mix step that rebuilds streams in a backward: the forward's kernel. ``after``: the
     # block's anchor (a value of the backward), unused. It keeps the op in the backward graph: an
     # op that depends on forward values only is moved to the forward by the partitioner, which
-    # then saves its output (docs/recompute.md).
+    # then saves its output (docs/recompute.md). Opaque, so that the identical rebuilds of a
+    # block's Functions merge into one per step.
     return _kernels().stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post)
 
 
@@ -133,9 +135,10 @@ _COMPILED = SimpleNamespace(
 
 
 def _launchers():
-    """The kernels' launchers in eager mode, the registered ops while ``torch.compile`` traces."""
+    """The kernels' launchers in eager mode, the registered ops while ``torch.compile`` traces or
+    a dispatch mode watches (selective activation checkpointing decides per op)."""
     global _EAGER
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or dispatch_mode_active():
         return _COMPILED
     if _EAGER is None:
         k = _kernels()  # the launches without the public launchers' argument checks (host time)
