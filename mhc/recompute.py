@@ -75,17 +75,26 @@ class StreamsAt:
         return x
 
 
+def autocast_state(device_type: str) -> dict:
+    """The arguments of ``torch.autocast`` that restore the current autocast state of
+    ``device_type`` (as ``torch.utils.checkpoint`` replays its forward)."""
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+
+
 class Plan:
     """How a site's Functions get streams that they do not save: the block's first streams
     ``start``, the steps since (tuples ``(h_res, y, h_post)``), the backward's cache ``at``
     (``None`` under ``torch.compile``, where the Functions are linked instead) and the
     ``schedule`` that holds the block's link; ``version``: the streams' version counter when the
-    site read them (eager mode)."""
+    site read them (eager mode); ``autocast``: the forward's autocast state on the streams'
+    device, under which the reference path rebuilds them (its post-mix is an autocast op)."""
 
-    __slots__ = ("start", "steps", "at", "schedule", "version")
+    __slots__ = ("start", "steps", "at", "schedule", "version", "autocast")
 
     def __init__(self, start, steps, at, schedule, version):
         self.start, self.steps, self.at, self.schedule, self.version = start, steps, at, schedule, version
+        self.autocast = None if torch.compiler.is_compiling() else autocast_state(start.device.type)
 
     def recipe(self) -> tuple:
         """``(start, h_res_1, y_1, h_post_1, ...)``: the tensors to save, flat."""
@@ -264,7 +273,8 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
         if not isinstance(saved, _Rebuild):
             return saved
         p = saved.plan
-        base = p.at.get(p.start, p.steps, step)
+        with torch.autocast(**p.autocast):
+            base = p.at.get(p.start, p.steps, step)
         shape, stride = saved.layout
         if base.dtype != saved.dtype or base.stride() != stride or base.storage_offset() != 0:
             base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=base.device).copy_(base)
@@ -321,7 +331,8 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
     not trace): change the streams out of place there (``x = x * s``, not ``x.mul_(s)``).
 
     Raises:
-        TypeError: ``model`` is not a module, ``every`` not an int.
+        TypeError: ``model`` is not a module, has no ``forward`` of its own (an ``nn.ModuleList``),
+            or ``every`` is not an int.
         ValueError: ``every < 1``, or ``model`` has no hyper-connection site.
     """
     if not isinstance(model, nn.Module):
@@ -330,6 +341,12 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
         raise TypeError(f"every must be an int or None, got {type(every).__name__}")
     if every is not None and every < 1:
         raise ValueError(f"every must be >= 1 (1 turns recompute off), got {every}")
+    if type(model).forward is nn.Module.forward:
+        raise TypeError(
+            f"model must be the module whose forward runs the sites, got a {type(model).__name__} without a "
+            "forward of its own: recompute_streams clears its state around the model's forward (hooks on that "
+            "forward), and a container's would never run. Pass the model that calls these modules."
+        )
     sites = _sites(model)
     if not sites:
         raise ValueError("model holds no hyper-connection site (HyperConnection or a patched model's)")
