@@ -36,6 +36,7 @@ from torch import nn
 
 from _bench import peak_extra, write_csv
 
+from mhc.checkpoint import checkpoint_layers
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
 from mhc.recompute import recompute_streams
 
@@ -203,20 +204,31 @@ MODELS = {
 
 
 class GPT(nn.Module):
-    def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4):
+    """``ckpt``: layers (an attention and an MLP block each) per activation-checkpoint region
+    (:func:`mhc.checkpoint.checkpoint_layers`), ``None`` for none."""
+
+    def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4, ckpt=None):
         super().__init__()
-        self.arm, self.n = arm, n
+        self.arm, self.n, self.ckpt = arm, n, ckpt
         self.embed = nn.Embedding(vocab, dim).to(DTYPE)
         branches = [b for _ in range(layers) for b in (Attention(dim, heads), MLP(dim))]
         self.blocks = nn.ModuleList(wrap(arm, b.cuda().to(DTYPE), dim, n) for b in branches)
+        # the layers as units (checkpoint regions, FSDP2 units); the blocks stay registered once
+        self.layers = [nn.Sequential(self.blocks[i], self.blocks[i + 1]) for i in range(0, len(self.blocks), 2)]
         self.norm = nn.RMSNorm(dim).to(DTYPE)
         self.head = nn.Linear(dim, vocab, bias=False).to(DTYPE)
+
+    def _run_layers(self, x):
+        if self.ckpt:
+            return checkpoint_layers(self.layers, x, every=self.ckpt)
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
     def forward(self, tokens, targets):
         h = self.embed(tokens)
         if self.arm == "plain":
-            for block in self.blocks:
-                h = block(h)
+            h = self._run_layers(h)
         elif self.arm == "mhc-chain":
             x_in, finish = self.blocks[0].split(expand_streams(h, self.n))
             for site, nxt in zip(self.blocks, list(self.blocks[1:]) + [None]):
@@ -226,10 +238,7 @@ class GPT(nn.Module):
                 else:
                     x_in, finish = finish(y, next=nxt)
         else:
-            x = expand_streams(h, self.n)
-            for block in self.blocks:
-                x = block(x)
-            h = reduce_streams(x)
+            h = reduce_streams(self._run_layers(expand_streams(h, self.n)))
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -241,25 +250,57 @@ def _static_bytes(model, opt) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _recompute_arms(arms, recompute, layers) -> list:
-    """``arms`` and, for each block length in ``recompute`` (``0``: all sites), the mhc and chained
-    arms with their streams recomputed, named ``"<arm> L_r=<every>"``."""
+def _recompute_arms(arms, recompute, layers, ckpt=()) -> list:
+    """``arms``; for each block length in ``recompute`` (``0``: all sites), the mhc and chained
+    arms with their streams recomputed, named ``"<arm> L_r=<every>"``; for each ``k`` in ``ckpt``
+    the plain (``k = 1``) and mhc arms with ``k`` layers per checkpoint region, ``"<arm> ckpt=<k>"``."""
     sites = 2 * layers
     extra = [f"{arm} L_r={every or sites}" for arm in ("mhc", "mhc-chain") if arm in arms for every in recompute]
+    extra += [f"{arm} ckpt={k}" for arm in ("plain", "mhc") if arm in arms for k in ckpt
+              if arm == "mhc" or k == 1]
     return arms + extra
+
+
+def _arm_settings(arm: str) -> tuple:
+    """``(kind, recompute, ckpt)`` of an arm's name (:func:`_recompute_arms`)."""
+    kind, _, every = arm.partition(" L_r=")
+    kind, _, ckpt = kind.partition(" ckpt=")
+    return kind, int(every) if every else None, int(ckpt) if ckpt else None
+
+
+def _fully_shard(model):
+    """FSDP2 on this process alone: fp32 master weights, each block (a site or residual with its
+    branch) a unit, then the root, bf16 parameters and fp32 gradient reduction."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    model.float()
+    policy = MixedPrecisionPolicy(param_dtype=DTYPE, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
 
 
 MODES = {"eager": None, "compiled": {}, "graphs": dict(mode="reduce-overhead")}  # torch.compile arguments
 
 
-def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager", recompute: int | None = None):
+def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager", recompute: int | None = None,
+                  ckpt: int | None = None, fsdp: bool = False):
     """``(step, model, optimizer)``: one AdamW training step of the GPT ``arm`` (seed 0) on random
     tokens ``[batch, seq]``, run in ``mode`` (a key of :data:`MODES`), with
-    :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given."""
+    :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given, ``ckpt``
+    layers per checkpoint region if given, and FSDP2 on this process (``fsdp``)."""
     torch.manual_seed(0)
-    model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"]).cuda()
+    model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"], ckpt=ckpt).cuda()
     if recompute:
         recompute_streams(model, recompute)
+    if fsdp:
+        model = _fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     run = model if MODES[mode] is None else torch.compile(model, **MODES[mode])
     tokens = torch.randint(0, 32768, (batch, seq), device="cuda")
@@ -273,14 +314,15 @@ def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager"
     return step, model, opt
 
 
-def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None):
+def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None, ckpt=(), fsdp=False):
     """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
     of one step (the other arms' models are resident meanwhile and not counted). ``recompute``:
     block lengths of :func:`mhc.recompute.recompute_streams` to add as arms. ``modes``: names in
     :data:`MODES` (``"graphs"``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs). ``batch``:
-    sequences per step instead of the configuration's."""
+    sequences per step instead of the configuration's. ``ckpt``: layers per checkpoint region to
+    add as arms (plain with 1, mhc with each). ``fsdp``: every arm under FSDP2 on this process."""
     from triton.testing import do_bench
 
     available, skipped = _arms()
@@ -291,18 +333,19 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
         cfg = MODELS[config]
         batch_size = batch or cfg["batch"]
         tokens_per_step = batch_size * seq
-        arms = _recompute_arms(base, recompute, cfg["layers"])
+        arms = _recompute_arms(base, recompute, cfg["layers"], ckpt)
         for name in modes:
             compiled = MODES[name] is not None
             # every model instance recompiles the same forward: past Dynamo's limit of recompiles
-            # (8) a later arm would silently run eager; the arms of earlier tables are gone
+            # (8 by default) a later arm would silently run eager; the arms of earlier tables are gone
             torch._dynamo.reset()
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arms))
             runs = {}
             for arm in arms:
                 if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets
                     continue
-                kind, _, every = arm.partition(" L_r=")
-                step, model, opt = training_step(kind, cfg, batch_size, seq, name, int(every) if every else None)
+                kind, every, k = _arm_settings(arm)
+                step, model, opt = training_step(kind, cfg, batch_size, seq, name, every, k, fsdp)
                 t0 = time.perf_counter()
                 try:
                     step()
@@ -314,34 +357,36 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
             for _ in range(repeats):
                 for arm, (step, *_rest) in runs.items():
                     times[arm].append(do_bench(step, warmup=50, rep=300, return_mode="median") if step else float("nan"))
-            peaks = {}
+            peaks, step_peaks = {}, {}
             for arm, (step, model, opt, _, _) in runs.items():
                 if step is None:
-                    peaks[arm] = float("nan")
+                    peaks[arm] = step_peaks[arm] = float("nan")
                     continue
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step()
                 torch.cuda.synchronize()
-                peaks[arm] = (torch.cuda.max_memory_allocated() - before + _static_bytes(model, opt)) / 2**30
+                step_peaks[arm] = (torch.cuda.max_memory_allocated() - before) / 2**30
+                peaks[arm] = step_peaks[arm] + _static_bytes(model, opt) / 2**30
             for arm, (step, model, opt, first, note) in runs.items():
                 ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
                 ms = statistics.median(times[arm])
                 ratio = statistics.median(ratios)
-                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={batch_size}", tokens=tokens_per_step, mode=name, arm=arm, ms=ms,
+                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={batch_size}" + (" fsdp2" if fsdp else ""), tokens=tokens_per_step, mode=name, arm=arm, ms=ms,
                                  tokens_per_s=tokens_per_step / ms * 1e3, x_plain=ratio, x_plain_min=ratios[0],
                                  x_plain_max=ratios[-1], peak_gib=peaks[arm], peak_x_plain=peaks[arm] / peaks["plain"],
-                                 first_step_s=first, note=note))
+                                 step_peak_gib=step_peaks[arm], first_step_s=first, note=note))
                 print(f"  d={cfg['dim']:5d} {tokens_per_step:6d} tok {name:>8} {arm:>16} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
                       f"{ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) peak {peaks[arm]:6.2f} GiB "
-                      f"({peaks[arm] / peaks['plain']:4.2f}x)  first step {first:5.1f} s {note}", flush=True)
+                      f"({peaks[arm] / peaks['plain']:4.2f}x) step peak {step_peaks[arm]:6.2f} GiB  first step {first:5.1f} s "
+                      f"{note}", flush=True)
             del runs
             torch.cuda.empty_cache()
     for arm, reason in skipped.items():
         rows.append(dict(model="", tokens=0, mode="", arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
                          x_plain_min=float("nan"), x_plain_max=float("nan"), peak_gib=float("nan"),
-                         peak_x_plain=float("nan"), first_step_s=float("nan"), note=reason))
+                         peak_x_plain=float("nan"), step_peak_gib=float("nan"), first_step_s=float("nan"), note=reason))
     return rows
 
 
@@ -391,6 +436,9 @@ def main(argv=None):
                    help="model table: the GPT configurations (by width)")
     p.add_argument("--recompute", type=int, nargs="*", default=[],
                    help="model table: also the mhc arms with recompute_streams at these block lengths (0: all sites)")
+    p.add_argument("--ckpt", type=int, nargs="*", default=[],
+                   help="model table: also plain (1) and mhc arms with this many layers per checkpoint region")
+    p.add_argument("--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, per layer)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
@@ -416,10 +464,11 @@ def main(argv=None):
         print(f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
               flush=True)
         rows = [row for batch in args.batch
-                for row in model_table(args.models, args.seq, args.modes, args.arms, args.repeats, args.recompute, batch)]
+                for row in model_table(args.models, args.seq, args.modes, args.arms, args.repeats, args.recompute, batch,
+                                       args.ckpt, args.fsdp)]
         write_csv(rows, f"{args.out_dir}/model.csv",
                   ["model", "tokens", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
-                   "peak_x_plain", "first_step_s", "note"])
+                   "peak_x_plain", "step_peak_gib", "first_step_s", "note"])
     if "profile" in args.tables:
         table = profile_block(4096, 4, args.tokens, args.profile_rows)
         print(table, flush=True)
