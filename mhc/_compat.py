@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active"]
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "marked_must_save"]
 
 
 _TAGS = ("ac_graph_id", "recompute")
@@ -110,3 +110,13 @@ def _flat(args) -> list:
     nodes = []
     torch.fx.node.map_arg(args, nodes.append)
     return nodes
+
+
+def marked_must_save() -> bool:
+    """Whether the graph node being traced is one that :func:`save_function_outputs` marked: a
+    selective checkpointing policy keeps such an op's output (the region's output), since its
+    choice would otherwise replace the mark."""
+    from torch.fx import traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return fx_traceback.get_current_meta().get("recompute") == CheckpointPolicy.MUST_SAVE

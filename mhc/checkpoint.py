@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from mhc._compat import marked_must_save
+
 __all__ = ["checkpoint_policy", "checkpoint_layers", "SAVABLE_OPS"]
 
 # mhc's forward ops whose outputs a policy may keep (names in the "mhc" op namespace):
@@ -73,15 +75,18 @@ def checkpoint_policy(save: Iterable[str] = (), otherwise: Callable | None = Non
         name = _mhc_op_name(op)
         if name is None:
             return CheckpointPolicy.PREFER_RECOMPUTE if otherwise is None else otherwise(ctx, op, *args, **kwargs)
-        return CheckpointPolicy.MUST_SAVE if name in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        if name in saved or marked_must_save():  # the latter: a compiled region's output
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
 
 def checkpoint_layers(layers: Sequence[Callable], x: torch.Tensor, *args, every: int = 1,
-                      context_fn: Callable | None = None):
-    """``x = layer(x, *args)`` for each of ``layers`` in turn, ``every`` consecutive layers per
-    non-reentrant checkpoint region.
+                      context_fn: Callable | None = None, **kwargs):
+    """``x = layer(x, *args, **kwargs)`` for each of ``layers`` in turn, ``every`` consecutive
+    layers per non-reentrant checkpoint region (the extra arguments go to every layer: masks,
+    position embeddings).
 
     A region keeps only its input: ``every = 1`` keeps every layer's input streams
     (``[..., n, d]`` for an mHC model, the ``n``-fold of a plain model's); ``every = k`` keeps them
@@ -105,13 +110,13 @@ def checkpoint_layers(layers: Sequence[Callable], x: torch.Tensor, *args, every:
     for first in range(0, len(layers), every):
         group = layers[first:first + every]
         if torch.is_grad_enabled():
-            x = checkpoint(_run_group, group, x, *args, use_reentrant=False, **extra)
+            x = checkpoint(_run_group, group, x, *args, use_reentrant=False, **extra, **kwargs)
         else:
-            x = _run_group(group, x, *args)
+            x = _run_group(group, x, *args, **kwargs)
     return x
 
 
-def _run_group(group, x, *args):
+def _run_group(group, x, *args, **kwargs):
     for layer in group:
-        x = layer(x, *args)
+        x = layer(x, *args, **kwargs)
     return x

@@ -210,8 +210,8 @@ def test_recompute_streams_under_autocast(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chain", [False, True])
 def test_compiled_checkpoint_keeps_only_layer_inputs(backend, chain):
-    # inside a checkpointed region no site keeps its streams, branch input or coefficients: at
-    # most the layers' input streams are kept
+    # inside a checkpointed region no site keeps its streams, branch input or coefficients: the
+    # layers' input streams are kept (the first layer's is rebuilt from the model's input)
     m = model(backend, chain)
     h, grad = inputs()
     run, graphs = compiled(m)
@@ -222,7 +222,7 @@ def test_compiled_checkpoint_keeps_only_layer_inputs(backend, chain):
     run, graphs = compiled(m)
     gradients(run, m, h, grad)
     kept = graphs.saved_activations()
-    assert all(shape == streams for shape in kept) and len(kept) <= LAYERS - 1, kept
+    assert kept == [streams] * (LAYERS - 1), kept
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -240,6 +240,7 @@ def test_selective_policy_keeps_what_it_names(backend):
             assert_same(gradients(run, m, h, grad), want)
             kept = graphs.saved_activations()
             assert ((tokens, M) in kept) == bool(save), kept  # the projection's per-token values
+            assert kept.count((*LEAD, N, DIM)) == LAYERS - 1, kept  # and the regions' outputs
 
 
 def test_policy_sees_the_fused_ops_in_eager_mode():
@@ -293,8 +294,8 @@ def test_checkpoint_layers_runs_plain_layers_too():
 
 def test_checkpoint_layers_passes_extra_arguments():
     x = torch.randn(3, requires_grad=True)
-    out = checkpoint_layers([lambda x, s: x * s, lambda x, s: x + s], x, 2.0, every=2)
-    assert torch.equal(out, x * 2.0 + 2.0)
+    out = checkpoint_layers([lambda x, s, t=0.0: x * s + t, lambda x, s, t=0.0: x + s - t], x, 2.0, every=2, t=0.5)
+    assert torch.equal(out, (x * 2.0 + 0.5) + 2.0 - 0.5)
 
 
 def test_errors():
