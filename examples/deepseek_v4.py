@@ -4,6 +4,7 @@
     python examples/deepseek_v4.py --preset gpu         # a GPU: a small model, bf16
     python examples/deepseek_v4.py --bench-layer        # GPU: the mHC work of one decoder layer
     python examples/deepseek_v4.py --bench-step         # GPU: a training step, with a profile
+    python examples/deepseek_v4.py --bench-ckpt         # GPU: the step with k layers per checkpoint region
     python examples/deepseek_v4.py --bench-decode       # GPU: greedy generation, and where a token's time goes
 
 ``--compare`` (the default) trains the same model (same initial weights, same batches) twice, as
@@ -191,6 +192,68 @@ def bench_step(args):
     the streams recomputed: the paper's block length, and one block of all sites), arms interleaved
     over rounds; peak memory; then a profile of the patched step (the mHC kernels' share)."""
     from torch.profiler import ProfilerActivity, profile
+
+    sites = 2 * args.step_layers
+    arms = {"unpatched": (None, None), "patched": (False, None), "patched, recompute": (True, None),
+            f"patched, recompute {sites}": (sites, None)}
+    steps = _time_steps(args, arms)
+    step = steps["patched"][0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    total = mhc = 0.0
+    for event in prof.key_averages():
+        total += event.self_device_time_total
+        if any(k in event.key for k in ("coefficient", "stream_mix", "seam", "sinkhorn", "projection_bwd")):
+            mhc += event.self_device_time_total
+    print(f"  patched step profile: mHC kernels {mhc / 3e3:.2f} ms of {total / 3e3:.2f} ms GPU time per step "
+          f"({mhc / total:.1%})", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+
+
+def bench_ckpt(args):
+    """A training step of a small DeepseekV4ForCausalLM with its decoder layers checkpointed,
+    ``k`` layers per region (:func:`checkpoint_decoder_layers`), unpatched and patched, against
+    the same models without checkpointing; arms interleaved over rounds, peak memory."""
+    arms = {"unpatched": (None, None), "patched": (False, None), "unpatched ckpt=1": (None, 1)}
+    arms.update({f"patched ckpt={k}": (False, k) for k in (1, 2, 4, 8) if k <= args.step_layers})
+    _time_steps(args, arms)
+
+
+def checkpoint_decoder_layers(model, every: int):
+    """Checkpoint ``model``'s decoder layers, ``every`` consecutive layers per region
+    (:func:`mhc.checkpoint.checkpoint_layers`): the first layer of each group runs the group, the
+    others pass the streams on."""
+    from torch import nn
+
+    from mhc.checkpoint import checkpoint_layers
+
+    class Group(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.group = nn.ModuleList(layers)
+
+        def forward(self, hidden_states, **kwargs):
+            return checkpoint_layers(self.group, hidden_states, every=len(self.group), **kwargs)
+
+    class PassOn(nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
+    layers = list(model.model.layers)
+    grouped = []
+    for first in range(0, len(layers), every):
+        group = layers[first:first + every]
+        grouped += [Group(group)] + [PassOn() for _ in group[1:]]
+    model.model.layers = nn.ModuleList(grouped)
+    return model
+
+
+def _time_steps(args, arms: dict) -> dict:
+    """Build each arm's model (``arms``: label -> ``(recompute, ckpt)``; ``recompute`` ``None``
+    leaves the model unpatched), time its AdamW step over interleaved rounds and print step time
+    and peak; returns ``{label: (step, model)}``."""
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)
@@ -198,16 +261,16 @@ def bench_step(args):
     device = torch.device("cuda")
     tokens = torch.randint(0, 32768, (args.step_batch, args.seq), device=device)
     steps = {}
-    sites = 2 * args.step_layers
-    arms = {"unpatched": None, "patched": False, "patched, recompute": True, f"patched, recompute {sites}": sites}
-    for label, recompute in arms.items():
+    for label, (recompute, ckpt) in arms.items():
         model = build(config, device, dtype)
         if recompute is not None:
             patch_deepseek_v4(model, recompute=recompute)
+        if ckpt:
+            checkpoint_decoder_layers(model, ckpt)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-        def step(model=model, opt=opt):
-            model(input_ids=tokens, labels=tokens).loss.backward()
+        def step(model=model, opt=opt):  # no cache in training (checkpointing would replay its updates)
+            model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -231,19 +294,7 @@ def bench_step(args):
         print(f"  V4 step ({args.step_layers} layers, hidden {args.step_dim}, {ntok} tokens, {args.dtype}): "
               f"{label:>22} {ms:8.2f} ms ({', '.join(f'{t:.2f}' for t in times[label])}), peak beyond weights "
               f"{peaks[label]:6.2f} GiB", flush=True)
-    step = steps["patched"][0]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    total = mhc = 0.0
-    for event in prof.key_averages():
-        total += event.self_device_time_total
-        if any(k in event.key for k in ("coefficient", "stream_mix", "seam", "sinkhorn", "projection_bwd")):
-            mhc += event.self_device_time_total
-    print(f"  patched step profile: mHC kernels {mhc / 3e3:.2f} ms of {total / 3e3:.2f} ms GPU time per step "
-          f"({mhc / total:.1%})", flush=True)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+    return steps
 
 
 def _host_share(prof_stats, prefixes) -> dict:
@@ -331,6 +382,8 @@ def main(argv=None):
     p.add_argument("--step-dim", type=int, default=2048)
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-batch", type=int, default=4)
+    p.add_argument("--bench-ckpt", action="store_true",
+                   help="GPU: a training step with the decoder layers checkpointed, k layers per region")
     p.add_argument("--bench-decode", action="store_true", help="GPU: greedy generation, unpatched vs patched")
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -341,14 +394,17 @@ def main(argv=None):
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.bench_layer or args.bench_step or args.bench_decode:
+    if args.bench_layer or args.bench_step or args.bench_ckpt or args.bench_decode:
         if device.type != "cuda":
             sys.exit("the benchmarks need a CUDA GPU")
         if args.bench_layer:
             bench_layer(args)
-        if args.bench_step:
+        if args.bench_step or args.bench_ckpt:
             args.seq = 2048
+        if args.bench_step:
             bench_step(args)
+        if args.bench_ckpt:
+            bench_ckpt(args)
         if args.bench_decode:
             bench_decode(args)
         return
