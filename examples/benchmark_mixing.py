@@ -24,6 +24,7 @@ reported as skipped. Writes ``kernels.csv``, ``block.csv``, ``model.csv`` and ``
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -36,7 +37,7 @@ from torch import nn
 
 from _bench import peak_extra, write_csv
 
-from mhc.checkpoint import checkpoint_layers
+from mhc.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
 from mhc.recompute import recompute_streams
 
@@ -205,11 +206,17 @@ MODELS = {
 
 class GPT(nn.Module):
     """``ckpt``: layers (an attention and an MLP block each) per activation-checkpoint region
-    (:func:`mhc.checkpoint.checkpoint_layers`), ``None`` for none."""
+    (:func:`mhc.checkpoint.checkpoint_layers`), ``None`` for none; ``save``: the ``mhc`` ops whose
+    outputs a selective policy keeps there (:func:`mhc.checkpoint.checkpoint_policy`)."""
 
-    def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4, ckpt=None):
+    def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4, ckpt=None, save=()):
         super().__init__()
         self.arm, self.n, self.ckpt = arm, n, ckpt
+        self.context_fn = None
+        if save:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            self.context_fn = functools.partial(create_selective_checkpoint_contexts, checkpoint_policy(save))
         self.embed = nn.Embedding(vocab, dim).to(DTYPE)
         branches = [b for _ in range(layers) for b in (Attention(dim, heads), MLP(dim))]
         self.blocks = nn.ModuleList(wrap(arm, b.cuda().to(DTYPE), dim, n) for b in branches)
@@ -220,7 +227,7 @@ class GPT(nn.Module):
 
     def _run_layers(self, x):
         if self.ckpt:
-            return checkpoint_layers(self.layers, x, every=self.ckpt)
+            return checkpoint_layers(self.layers, x, every=self.ckpt, context_fn=self.context_fn)
         for layer in self.layers:
             x = layer(x)
         return x
@@ -250,22 +257,27 @@ def _static_bytes(model, opt) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _recompute_arms(arms, recompute, layers, ckpt=()) -> list:
+def _recompute_arms(arms, recompute, layers, ckpt=(), ckpt_save=()) -> list:
     """``arms``; for each block length in ``recompute`` (``0``: all sites), the mhc and chained
     arms with their streams recomputed, named ``"<arm> L_r=<every>"``; for each ``k`` in ``ckpt``
-    the plain (``k = 1``) and mhc arms with ``k`` layers per checkpoint region, ``"<arm> ckpt=<k>"``."""
+    the plain (``k = 1``) and mhc arms with ``k`` layers per checkpoint region, ``"<arm> ckpt=<k>"``;
+    for each ``k`` in ``ckpt_save`` the mhc arm whose policy keeps ``mhc_coefficients_fwd``,
+    ``"mhc ckpt=<k> save"``."""
     sites = 2 * layers
     extra = [f"{arm} L_r={every or sites}" for arm in ("mhc", "mhc-chain") if arm in arms for every in recompute]
     extra += [f"{arm} ckpt={k}" for arm in ("plain", "mhc") if arm in arms for k in ckpt
               if arm == "mhc" or k == 1]
+    extra += [f"mhc ckpt={k} save" for k in ckpt_save if "mhc" in arms]
     return arms + extra
 
 
 def _arm_settings(arm: str) -> tuple:
-    """``(kind, recompute, ckpt)`` of an arm's name (:func:`_recompute_arms`)."""
+    """``(kind, recompute, ckpt, save)`` of an arm's name (:func:`_recompute_arms`)."""
     kind, _, every = arm.partition(" L_r=")
     kind, _, ckpt = kind.partition(" ckpt=")
-    return kind, int(every) if every else None, int(ckpt) if ckpt else None
+    ckpt, _, save = ckpt.partition(" ")
+    return (kind, int(every) if every else None, int(ckpt) if ckpt else None,
+            ("mhc_coefficients_fwd",) if save else ())
 
 
 def _fully_shard(model):
@@ -290,13 +302,14 @@ MODES = {"eager": None, "compiled": {}, "graphs": dict(mode="reduce-overhead")} 
 
 
 def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager", recompute: int | None = None,
-                  ckpt: int | None = None, fsdp: bool = False):
+                  ckpt: int | None = None, fsdp: bool = False, save: tuple = ()):
     """``(step, model, optimizer)``: one AdamW training step of the GPT ``arm`` (seed 0) on random
     tokens ``[batch, seq]``, run in ``mode`` (a key of :data:`MODES`), with
     :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given, ``ckpt``
-    layers per checkpoint region if given, and FSDP2 on this process (``fsdp``)."""
+    layers per checkpoint region if given (``save``: the ``mhc`` ops a selective policy keeps
+    there), and FSDP2 on this process (``fsdp``)."""
     torch.manual_seed(0)
-    model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"], ckpt=ckpt).cuda()
+    model = GPT(arm, dim=cfg["dim"], layers=cfg["layers"], heads=cfg["heads"], ckpt=ckpt, save=save).cuda()
     if recompute:
         recompute_streams(model, recompute)
     if fsdp:
@@ -314,7 +327,8 @@ def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager"
     return step, model, opt
 
 
-def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None, ckpt=(), fsdp=False):
+def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None, ckpt=(), fsdp=False,
+                ckpt_save=()):
     """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
@@ -322,7 +336,8 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
     block lengths of :func:`mhc.recompute.recompute_streams` to add as arms. ``modes``: names in
     :data:`MODES` (``"graphs"``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs). ``batch``:
     sequences per step instead of the configuration's. ``ckpt``: layers per checkpoint region to
-    add as arms (plain with 1, mhc with each). ``fsdp``: every arm under FSDP2 on this process."""
+    add as arms (plain with 1, mhc with each); ``ckpt_save``: the same for mhc with a selective policy
+    that keeps the coefficients. ``fsdp``: every arm under FSDP2 on this process."""
     from triton.testing import do_bench
 
     available, skipped = _arms()
@@ -333,7 +348,7 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
         cfg = MODELS[config]
         batch_size = batch or cfg["batch"]
         tokens_per_step = batch_size * seq
-        arms = _recompute_arms(base, recompute, cfg["layers"], ckpt)
+        arms = _recompute_arms(base, recompute, cfg["layers"], ckpt, ckpt_save)
         for name in modes:
             compiled = MODES[name] is not None
             # every model instance recompiles the same forward: past Dynamo's limit of recompiles
@@ -344,8 +359,8 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
             for arm in arms:
                 if compiled and arm == "liger":  # 90 s to compile and not among the compiled targets
                     continue
-                kind, every, k = _arm_settings(arm)
-                step, model, opt = training_step(kind, cfg, batch_size, seq, name, every, k, fsdp)
+                kind, every, k, save = _arm_settings(arm)
+                step, model, opt = training_step(kind, cfg, batch_size, seq, name, every, k, fsdp, save)
                 t0 = time.perf_counter()
                 try:
                     step()
@@ -438,6 +453,9 @@ def main(argv=None):
                    help="model table: also the mhc arms with recompute_streams at these block lengths (0: all sites)")
     p.add_argument("--ckpt", type=int, nargs="*", default=[],
                    help="model table: also plain (1) and mhc arms with this many layers per checkpoint region")
+    p.add_argument("--ckpt-save", type=int, nargs="*", default=[],
+                   help="model table: also mhc arms with this many layers per region and a selective policy that "
+                        "keeps mhc_coefficients_fwd")
     p.add_argument("--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, per layer)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
@@ -465,7 +483,7 @@ def main(argv=None):
               flush=True)
         rows = [row for batch in args.batch
                 for row in model_table(args.models, args.seq, args.modes, args.arms, args.repeats, args.recompute, batch,
-                                       args.ckpt, args.fsdp)]
+                                       args.ckpt, args.fsdp, args.ckpt_save)]
         write_csv(rows, f"{args.out_dir}/model.csv",
                   ["model", "tokens", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
                    "peak_x_plain", "step_peak_gib", "first_step_s", "note"])
