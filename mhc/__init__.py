@@ -7,11 +7,25 @@
 - ``mhc.losses``: ``linear_cross_entropy`` and ``LinearCrossEntropy`` (fused linear + cross-entropy,
   never materialising the logits).
 - ``mhc.reference``: the pure-PyTorch oracle.
+- ``mhc.checkpoint``: activation checkpointing of layers with sites (``checkpoint_layers``, a
+  selective checkpointing policy).
 - ``mhc.kernels``: the Triton kernels and launchers (imported on first use).
+
+The names users reach for are also importable from ``mhc`` itself.
 """
 
+from mhc.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.layer import FusedMHC, sinkhorn
+from mhc.losses import LinearCrossEntropy, linear_cross_entropy
+from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse, StreamExpand, expand_streams, reduce_streams
+from mhc.recompute import recompute_streams
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedMHC", "sinkhorn", "__version__"]
+__all__ = [
+    "FusedMHC", "sinkhorn",
+    "HyperConnection", "LaneMixer", "StreamCollapse", "StreamExpand", "expand_streams", "reduce_streams",
+    "recompute_streams", "checkpoint_layers", "checkpoint_policy",
+    "LinearCrossEntropy", "linear_cross_entropy",
+    "__version__",
+]
