@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from mhc import _compat
 from mhc.checkpoint import SAVABLE_OPS, checkpoint_layers, checkpoint_policy
