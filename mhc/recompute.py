@@ -141,6 +141,16 @@ def _under_checkpoint() -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
+def _kept(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What the setting keeps of a recipe tensor: under ``torch.compile`` a detached alias. The
+    setting outlives the compiled forward (the model's hooks clear it outside the compiled frame),
+    so every tensor it holds at the end becomes an output of the compiled graph, and one that
+    requires grad gets a gradient of zeros made at the start of the backward: a set of streams
+    per block start. The recipe needs no gradient (the Functions return none for it); eager mode
+    keeps the tensors themselves (the reference path's double backward goes through them)."""
+    return t.detach() if t is not None and torch.compiler.is_compiling() else t
+
+
 class StreamRecompute:
     """The recompute setting of one model's sites and the block its forward is building.
 
@@ -180,7 +190,7 @@ class StreamRecompute:
             self._start_block(path, x)
 
     def _start_block(self, path: str | None, x: torch.Tensor | None) -> None:
-        self.path, self.start, self.steps, self.streams, self.at, self.link = path, x, [], x, None, None
+        self.path, self.start, self.steps, self.streams, self.at, self.link = path, _kept(x), [], x, None, None
         self.version = 0
         if x is not None:
             self._stamp(x)
@@ -209,7 +219,7 @@ class StreamRecompute:
         if not self._current(x):
             self.streams = None
             return
-        self.steps.append(step)
+        self.steps.append(tuple(_kept(t) for t in step))
         self.streams, self.at = out, at
         self._stamp(out)
 
