@@ -124,6 +124,11 @@ class Partitioned:
         return [tuple(n.meta["val"].shape) for n in kept
                 if isinstance(n.meta.get("val"), torch.Tensor) and not n.name.startswith("primals")]
 
+    def tangents(self) -> list:
+        """The shapes of the gradients the compiled backward takes in (one per forward output)."""
+        return [tuple(n.meta["val"].shape) for n in self.backward.graph.nodes
+                if n.op == "placeholder" and n.name.startswith("tangents")]
+
     def backward_ops(self) -> collections.Counter:
         return collections.Counter(str(n.target) for n in self.backward.graph.nodes if n.op == "call_function")
 
@@ -274,6 +279,19 @@ def test_compiled_recompute_rebuilds_each_step_once():
     run, graphs = compiled(m)
     gradients(run, m, h, grad)
     assert graphs.backward_ops()["mhc.stream_recompute.default"] == 2 * LAYERS - 1
+
+
+def test_compiled_recompute_leaves_no_recipe_in_the_backward():
+    # the setting outlives the compiled forward: what it still holds there becomes an output of the
+    # compiled graph, and gets a gradient of zeros if it requires grad. It keeps the recipe detached,
+    # so only the streams of its identity check (one set) and the block's link are left
+    m = model("triton")
+    recompute_streams(m, 2 * LAYERS)
+    h, grad = inputs()
+    run, graphs = compiled(m)
+    gradients(run, m, h, grad)
+    extra = graphs.tangents()[1:]  # the first is the model's output
+    assert sorted(extra) == sorted([(1,), (*LEAD, N, DIM)]), extra
 
 
 # ------------------------------------------------------------------------------ the helpers
