@@ -456,7 +456,7 @@ def main(argv=None):
     p.add_argument("--ckpt-save", type=int, nargs="*", default=[],
                    help="model table: also mhc arms with this many layers per region and a selective policy that "
                         "keeps mhc_coefficients_fwd")
-    p.add_argument("--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, per layer)")
+    p.add_argument("--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, a unit per block)")
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)

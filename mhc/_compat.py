@@ -11,7 +11,12 @@ pytorch/pytorch#177396 by tagging every op through a dispatch mode.
 :func:`backport_checkpoint_tags` gives older versions the same result: the subgraph of every
 ``autograd.Function`` inside a checkpointed region gets its region's tags. Versions with the fix no
 longer have the hook it wraps (``TagActivationCheckpoint.tag_nodes``), and nothing is changed there;
-``MHC_CHECKPOINT_TAGS=0`` leaves PyTorch as it is.
+``MHC_CHECKPOINT_TAGS=0`` leaves PyTorch as it is. The same hook marks the op that makes a region's
+output ``MUST_SAVE`` (:func:`save_function_outputs`), which :func:`marked_must_save` lets a
+selective checkpointing policy honour.
+
+Dispatch modes: :func:`dispatch_mode_active` tells the fused layers to call their kernels through
+the registered ops, which a ``TorchDispatchMode`` sees.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def dispatch_mode_active() -> bool:
     counter): the fused layers then call their kernels through the registered ops, which such a
     mode sees, instead of launching them directly."""
     return torch._C._len_torch_dispatch_stack() > 0
+
+
 _installed = False
 
 
@@ -65,14 +72,10 @@ def backport_checkpoint_tags() -> bool:
 def tag_function_bodies(gmod: torch.fx.GraphModule) -> None:
     """Copy each ``autograd_function_apply`` node's checkpoint tags onto the nodes of its forward
     subgraph (and of the subgraphs nested in it)."""
-    apply = torch.ops.higher_order.autograd_function_apply
     for node in gmod.graph.nodes:
-        if node.op != "call_function" or node.target is not apply or not node.args:
+        body = _forward_body(gmod, node)
+        if body is None:
             continue
-        body_node = node.args[0]
-        if not isinstance(body_node, torch.fx.Node) or body_node.op != "get_attr":
-            continue
-        body = getattr(gmod, body_node.target)
         tags = {key: node.meta[key] for key in _TAGS if key in node.meta}
         for inner in body.graph.nodes:
             if inner.op in ("call_function", "call_method", "call_module"):
@@ -89,20 +92,31 @@ def save_function_outputs(gmod: torch.fx.GraphModule) -> None:
     before it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    apply = torch.ops.higher_order.autograd_function_apply
     output = next(n for n in gmod.graph.nodes if n.op == "output")
     for value in _flat(output.args):
         function, index = value, 0
         if value.op == "call_function" and value.target is operator.getitem:
             function, index = value.args
-        if function.op != "call_function" or function.target is not apply or not isinstance(index, int):
+        body = _forward_body(gmod, function) if isinstance(index, int) else None
+        if body is None:
             continue
-        body = getattr(gmod, function.args[0].target)
         body_output = next(n for n in body.graph.nodes if n.op == "output")
         outputs = body_output.args[0][0]  # a Function's body returns ((outputs...), (saved...))
         made = outputs[index] if isinstance(outputs, (tuple, list)) and index < len(outputs) else None
         if isinstance(made, torch.fx.Node) and made.op == "call_function":
             made.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _forward_body(gmod: torch.fx.GraphModule, node) -> torch.fx.GraphModule | None:
+    """The forward subgraph of ``node`` if it is an ``autograd_function_apply``, else ``None``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or not node.args:
+        return None
+    if node.target is not torch.ops.higher_order.autograd_function_apply:
+        return None
+    body_node = node.args[0]
+    if not isinstance(body_node, torch.fx.Node) or body_node.op != "get_attr":
+        return None
+    return getattr(gmod, body_node.target)
 
 
 def _flat(args) -> list:

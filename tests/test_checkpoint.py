@@ -249,8 +249,6 @@ def test_selective_policy_keeps_what_it_names(backend):
 
 
 def test_policy_sees_the_fused_ops_in_eager_mode():
-    if KERNEL_DEVICE == "cpu" and not _triton_available():
-        pytest.skip("needs Triton")
     seen = []
 
     def watch(ctx, op, *args, **kwargs):
@@ -264,33 +262,27 @@ def test_policy_sees_the_fused_ops_in_eager_mode():
     assert "mhc.mhc_coefficients_fwd.default" in seen and "mhc.stream_mix_fwd.default" in seen
 
 
-def _triton_available():
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def test_compiled_recompute_rebuilds_each_step_once():
-    # one block of all 6 sites: 5 rebuilt positions, each one post-mix step in the backward graph
-    # (the block's Functions ask for the same steps; the graph merges them)
+def compiled_one_block() -> Partitioned:
+    """The partitioned graphs of one compiled step, all 6 sites in one recompute block."""
     m = model("triton")
     recompute_streams(m, 2 * LAYERS)
     h, grad = inputs()
     run, graphs = compiled(m)
     gradients(run, m, h, grad)
-    assert graphs.backward_ops()["mhc.stream_recompute.default"] == 2 * LAYERS - 1
+    return graphs
+
+
+def test_compiled_recompute_rebuilds_each_step_once():
+    # 5 rebuilt positions, each one post-mix step in the backward graph (the block's Functions ask
+    # for the same steps; the graph merges them)
+    assert compiled_one_block().backward_ops()["mhc.stream_recompute.default"] == 2 * LAYERS - 1
 
 
 def test_compiled_recompute_leaves_no_recipe_in_the_backward():
     # the setting outlives the compiled forward: what it still holds there becomes an output of the
     # compiled graph, and gets a gradient of zeros if it requires grad. It keeps the recipe detached,
     # so only the streams of its identity check (one set) and the block's link are left
-    m = model("triton")
-    recompute_streams(m, 2 * LAYERS)
-    h, grad = inputs()
-    run, graphs = compiled(m)
-    gradients(run, m, h, grad)
-    extra = graphs.tangents()[1:]  # the first is the model's output
+    extra = compiled_one_block().tangents()[1:]  # the first is the model's output
     assert sorted(extra) == sorted([(1,), (*LEAD, N, DIM)]), extra
 
 
