@@ -14,9 +14,10 @@ launcher as a ``triton_op`` where it can and as a ``custom_op`` otherwise:
 - ``MHC_TRITON_OP=0``: the opaque ops on purpose (comparison, debugging);
 - no Triton installed (nothing launches then anyway).
 
-While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), :data:`tracing` is set
-and :func:`mhc.kernels._launch.launch` goes through ``wrap_triton`` instead of its cached
-launcher, which reads data pointers that fake tensors do not have. Outside the ops (eager mode)
+While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), the kernel layer's
+:data:`mhc.kernels._launch.tracing` is set and :func:`mhc.kernels._launch.launch` goes through
+``wrap_triton`` instead of its cached launcher, which reads data pointers that fake tensors do not
+have. Outside the ops (eager mode)
 nothing changes.
 
 Registering the first ``triton_op`` also installs :mod:`mhc._write_analysis`: PyTorch analyses
@@ -26,7 +27,6 @@ call, which would otherwise dominate the compile time of a model with many sites
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -35,7 +35,7 @@ import torch
 
 from mhc import _compat, _write_analysis
 
-__all__ = ["TRITON_OP", "kernel_op", "tracing"]
+__all__ = ["TRITON_OP", "kernel_op"]
 
 TRITON_OP = (
     hasattr(torch.library, "triton_op")
@@ -44,19 +44,7 @@ TRITON_OP = (
     and importlib.util.find_spec("triton") is not None
 )
 
-tracing = False  # inside a triton_op's body: launches go through torch.library.wrap_triton
-
 _compat.backport_checkpoint_tags()  # the sites' Functions inside checkpointed regions, compiled
-
-
-@contextlib.contextmanager
-def _tracing():
-    global tracing
-    before, tracing = tracing, True
-    try:
-        yield
-    finally:
-        tracing = before
 
 
 def kernel_op(name: str, fake, opaque: bool = False):
@@ -78,7 +66,9 @@ def kernel_op(name: str, fake, opaque: bool = False):
 
         @functools.wraps(fn)
         def body(*args):
-            with _tracing():
+            from mhc.kernels._launch import traced_launches  # the body runs only where Triton is
+
+            with traced_launches():
                 return fn(*args)
 
         return torch.library.triton_op(name, body, mutates_args=())

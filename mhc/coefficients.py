@@ -30,7 +30,7 @@ from einops import rearrange
 
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
-from mhc.recompute import function_args, function_outputs, note_conversion, reference_scope
+from mhc.rebuild import function_args, function_outputs, note_conversion, reference_scope
 
 __all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
 
@@ -46,7 +46,7 @@ def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, known to recompute mode as the streams' copy (:func:`mhc.recompute.note_conversion`)."""
+    """``x.to(dtype)``, known to recompute mode as the streams' copy (:func:`mhc.rebuild.note_conversion`)."""
     converted = x.to(dtype)
     note_conversion(x, converted)
     return converted

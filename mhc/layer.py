@@ -7,22 +7,16 @@ path -> functional -> module.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from mhc import reference
+from mhc._checks import BACKENDS, FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
 from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
 
 __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
 
-BACKWARDS = ("exact", "implicit")
-BACKENDS = ("auto", "triton", "torch")
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_N = 64  # largest matrix the kernels take (kept equal to mhc.kernels.MAX_N, tested)
-MAX_EPS_N = 16  # largest matrix the eps > 0 kernels take (mhc.kernels.MAX_EPS_N, tested)
 
 
 def _kernels():
@@ -30,26 +24,6 @@ def _kernels():
     import mhc.kernels
 
     return mhc.kernels
-
-
-def check_settings(iters, backward, backend, eps=0.0) -> float:
-    """Validate the Sinkhorn settings shared by :func:`sinkhorn` and every module built on it;
-    returns ``eps`` as a float."""
-    if isinstance(iters, bool) or not isinstance(iters, int):
-        raise TypeError(f"iters must be an int, got {type(iters).__name__}")
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not 0.0 <= eps < math.inf:
-        raise ValueError(f"eps must be a finite float >= 0, got {eps}")
-    if eps > 0 and backward != "exact":
-        raise ValueError("eps > 0 (DeepSeek-V4's Sinkhorn) has the exact backward only: use backward='exact'")
-    return float(eps)
 
 
 def _check_logits(logits) -> None:

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from mhc._autograd import refuse_double_backward
-from mhc._host import read_later
-from mhc.layer import BACKENDS, FLOAT_DTYPES
+from mhc._checks import BACKENDS, FLOAT_DTYPES
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
@@ -124,6 +123,8 @@ def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
     target is outside ``[0, vocab)`` and not ``ignore_index`` (PyTorch would index out of bounds
     or assert on the device). Call it once the forward pass is queued (neither pass indexes by the
     target): it waits for the check alone, so the GPU is not left idle while the pass launches."""
+    from mhc.kernels._host import read_later  # the kernel package, imported on first use
+
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     any_bad = read_later(bad.any())
 

@@ -26,11 +26,12 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
+from mhc._checks import (MAX_STREAMS, check_floating, check_operand, check_same_device, check_settings,
+                         check_streams_shape)
 from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
-from mhc.layer import check_settings, sinkhorn
+from mhc.layer import sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
-from mhc.sites import (MAX_FUSED_STREAMS, Site, check_floating, check_same_device, check_streams, check_tensor,
-                       layer_backend)
+from mhc.sites import Site, layer_backend
 
 __all__ = [
     "HyperConnection",
@@ -43,7 +44,10 @@ __all__ = [
     "GainReport",
     "amax_gain",
     "collect_h_res",
+    "MAX_STREAMS",
 ]
+
+MAX_FUSED_STREAMS = MAX_STREAMS  # the former name of MAX_STREAMS
 
 CONSTRAINTS = ("sinkhorn", "none")
 INITS = ("residual", "zero")
@@ -82,7 +86,7 @@ def expand_streams(h: torch.Tensor, n_streams: int, embedding: torch.Tensor | No
     if h.dim() < 1:
         raise ValueError("h must have shape [..., dim], got a 0-d tensor")
     if embedding is not None:
-        check_tensor(embedding, ((n_streams, h.shape[-1]),), "embedding", h.device, "h")
+        check_operand(embedding, ((n_streams, h.shape[-1]),), "embedding", h.device, "h")
     x = repeat(h, "... d -> ... s d", s=n_streams)
     if embedding is not None:
         x = x + embedding.to(h.dtype)
@@ -130,11 +134,11 @@ def stream_collapse(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torc
     weighted sum runs on the fused mixing kernel (``backend="triton"``, or ``"auto"`` on CUDA for
     ``n <= 16``) or in fp32 PyTorch ops (``"torch"``), and is returned in ``x``'s dtype.
     """
-    check_streams(x, x.shape[-2] if x.dim() >= 2 else 1, None, "x")
+    check_streams_shape(x, x.shape[-2] if x.dim() >= 2 else 1, None, "x")
     n, dim = x.shape[-2], x.shape[-1]
-    check_tensor(phi, ((n * dim, n),), "phi", x.device)
-    check_tensor(a, ((), (1,)), "a", x.device)
-    check_tensor(b, ((n,),), "b", x.device)
+    check_operand(phi, ((n * dim, n),), "phi", x.device)
+    check_operand(a, ((), (1,)), "a", x.device)
+    check_operand(b, ((n,),), "b", x.device)
     rms_eps = _check_rms_eps(rms_eps)
     eps = check_settings(1, "exact", backend, eps)
     h = collapse_weights(x, phi, a, b, rms_eps, eps)
@@ -166,12 +170,12 @@ class StreamCollapse(nn.Module):
         self.b_pre = nn.Parameter(torch.full((n,), -math.log(n - 1) if n > 1 else 20.0))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
-        check_streams(x, self.n_streams, self.dim, "x")
+        check_streams_shape(x, self.n_streams, self.dim, "x")
         check_same_device(x, self.phi.device, "x", "the layer's parameters")
         return collapse_weights(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_streams(x, self.n_streams, self.dim, "x")
+        check_streams_shape(x, self.n_streams, self.dim, "x")
         return stream_collapse(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps, self.backend)
 
     def extra_repr(self) -> str:
@@ -381,7 +385,7 @@ class LaneMixer(nn.Module):
     Shapes: ``forward(x [..., n, dim]) -> [..., n, dim]``.
 
     ``backend`` selects the Sinkhorn (:func:`~mhc.layer.sinkhorn`: Triton kernels for any
-    ``n <= 64``) and the mix: the fused mixing kernel for ``n <= MAX_FUSED_STREAMS`` (16), a batched
+    ``n <= 64``) and the mix: the fused mixing kernel for ``n <= MAX_STREAMS`` (16), a batched
     matmul above (no fused kernel there; ``backend="triton"`` still runs the Sinkhorn kernels).
     """
 
@@ -421,14 +425,14 @@ class LaneMixer(nn.Module):
         return sinkhorn(logits, self.iters, backward=self.backward, backend=self.backend)
 
     def _check_input(self, x) -> None:
-        check_streams(x, self.n_lanes, self.dim, "x")
+        check_streams_shape(x, self.n_lanes, self.dim, "x")
         check_same_device(x, self.logits.device, "x", "the layer's parameters")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         p = self.matrix(x)
         n = self.n_lanes
-        if n <= MAX_FUSED_STREAMS and layer_backend(x, n, self.backend) == "triton":
+        if n <= MAX_STREAMS and layer_backend(x, n, self.backend) == "triton":
             T = math.prod(x.shape[:-2])
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
             return post_mix(x, None, None, p)

@@ -23,12 +23,12 @@ import torch
 from mhc._autograd import refuse_double_backward
 from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
-from mhc.layer import _kernels, check_settings, sinkhorn_bwd_launch
-from mhc.recompute import steps_of
+from mhc._checks import MAX_STREAMS, check_settings
+from mhc.layer import _kernels, sinkhorn_bwd_launch
+from mhc.rebuild import steps_of
 
-__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam", "MAX_FUSED_STREAMS"]
+__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
 
-MAX_FUSED_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS, tested)
 
 # ------------------------------------------------------------------------------ ops
 # Optional outputs come back as empty tensors: custom ops return plain tensors only.
@@ -418,7 +418,7 @@ class MHCSeamFunction(torch.autograd.Function):
 
 
 def _check_streams(x) -> None:
-    _kernels()._checks.check_streams(x, "x", MAX_FUSED_STREAMS)
+    _kernels()._checks.check_streams(x, "x", MAX_STREAMS)
     _kernels().check_device(x)
 
 

@@ -24,52 +24,23 @@ from __future__ import annotations
 import torch
 from einops import einsum
 
+from mhc._checks import MAX_STREAMS, check_same_device, check_streams_shape
 from mhc.layer import _kernels
-from mhc.mixing_ops import MAX_FUSED_STREAMS, MHCSeamFunction, PostMixFunction
-from mhc.recompute import function_args, function_outputs, reference_scope
+from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
+from mhc.rebuild import function_args, function_outputs, reference_scope
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
 
-def check_floating(x, what: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor, got {x.dtype}")
-
-
-def check_streams(x: torch.Tensor, n: int, dim: int | None, what: str) -> None:
-    check_floating(x, what)
-    if x.dim() < 2 or x.shape[-2] != n or (dim is not None and x.shape[-1] != dim):
-        want = f"[..., {n}, {dim if dim is not None else 'dim'}]"
-        raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
-
-
-def check_same_device(t: torch.Tensor, device: torch.device, what: str, where: str) -> None:
-    """``t`` must be on ``device`` (the kernels take one device's pointers; PyTorch's own error
-    names neither tensor)."""
-    if t.device != device:
-        raise ValueError(f"{what} is on {t.device}, {where} on {device}")
-
-
-def check_tensor(t, shapes: tuple, what: str, device: torch.device, where: str = "x") -> None:
-    """A floating-point tensor of one of ``shapes`` (tuples) on ``device`` (``where``'s)."""
-    check_floating(t, what)
-    if tuple(t.shape) not in shapes:
-        want = " or ".join(str(list(s)) for s in shapes)
-        raise ValueError(f"{what} must have shape {want}, got {list(t.shape)}")
-    check_same_device(t, device, what, where)
-
-
 def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
-    ``n <= MAX_FUSED_STREAMS`` and the PyTorch reference otherwise."""
+    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise."""
     if backend == "auto":
-        return "triton" if x.is_cuda and n <= MAX_FUSED_STREAMS else "torch"
+        return "triton" if x.is_cuda and n <= MAX_STREAMS else "torch"
     if backend == "triton":
-        if n > MAX_FUSED_STREAMS:
+        if n > MAX_STREAMS:
             raise ValueError(
-                f"the fused mixing kernels take n <= {MAX_FUSED_STREAMS} streams, got {n}; use backend='torch'"
+                f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'"
             )
         _kernels().check_device(x)
     return backend
@@ -114,7 +85,7 @@ class Site:
     A subclass provides ``n_streams``, ``dim``, ``backend``, ``sinkhorn_iters``, ``backward``,
     ``rms_eps``, ``hc_eps``, ``source`` (an :mod:`mhc.coefficients` source), ``_recorder``
     (``None``, or the tuple of lists that the open :func:`mhc.mixing.collect_h_res` blocks set) and
-    :meth:`mixing_parameters`. ``_recompute`` is the model's :class:`mhc.recompute.StreamRecompute`
+    :meth:`mixing_parameters`. ``_recompute`` is the model's :class:`mhc.rebuild.StreamRecompute`
     (``None``: the site saves its streams), set by :func:`mhc.recompute.recompute_streams`.
     """
 
@@ -164,7 +135,7 @@ class Site:
 
     def _check_input(self, x) -> None:
         # every parameter: the kernels take their addresses as they are (no driver check per launch)
-        check_streams(x, self.n_streams, self.dim, "x")
+        check_streams_shape(x, self.n_streams, self.dim, "x")
         for p in self.mixing_parameters():
             if p is not None:
                 check_same_device(x, p.device, "x", "the layer's parameters")

@@ -2,7 +2,7 @@
 
 import torch
 
-from mhc._host import read_later
+from mhc.kernels._host import read_later
 from tests.conftest import KERNEL_DEVICE
 
 

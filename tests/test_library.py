@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mhc import _library
+from mhc.kernels import _launch
 
 _names = itertools.count()
 
@@ -27,7 +28,7 @@ def _register(monkeypatch, triton_op: bool):
 
     @_library.kernel_op(f"mhc_test::probe_{next(_names)}", fake)
     def probe(x: torch.Tensor) -> torch.Tensor:
-        seen.append(_library.tracing)
+        seen.append(_launch.tracing)
         return x * 2
 
     return probe, seen
@@ -39,7 +40,7 @@ def test_triton_op_body_runs_with_launches_traced(monkeypatch):
     x = torch.randn(5)
     torch.testing.assert_close(probe(x), 2 * x)
     assert seen == [True]
-    assert _library.tracing is False  # restored after the body
+    assert _launch.tracing is False  # restored after the body
     with torch._subclasses.FakeTensorMode():  # the fake implementation is the body itself
         assert probe(torch.empty(3, 2)).shape == (3, 2)
     assert seen == [True, True]
@@ -66,7 +67,7 @@ def test_tracing_is_restored_when_the_body_raises(monkeypatch):
 
     with pytest.raises(ValueError, match="bad input"):
         raises(torch.randn(2))
-    assert _library.tracing is False
+    assert _launch.tracing is False
 
 
 @pytest.mark.parametrize("env, expected", [

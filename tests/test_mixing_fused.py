@@ -18,7 +18,7 @@ from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
 from mhc.kernels import mhc_coefficients
 from mhc.kernels._launch import forget_launch_plans
-from mhc.mixing import MAX_FUSED_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
+from mhc.mixing import MAX_FUSED_STREAMS, MAX_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
 
 DEVICE = KERNEL_DEVICE
 
@@ -87,7 +87,7 @@ def test_fused_matches_reference(constraint, dynamic, n, dim, lead, seed, nan_po
 ])
 def test_sixteen_streams_and_implicit_backward(constraint, dynamic, backward):
     """n = 16 runs the mixing kernels' wide (3-D tile) path."""
-    fused, ref = layer_pair(5, MAX_FUSED_STREAMS, constraint, dynamic, seed=1, scale=0.2, backward=backward)
+    fused, ref = layer_pair(5, MAX_STREAMS, constraint, dynamic, seed=1, scale=0.2, backward=backward)
     x, grad = torch.randn(2, 3, 16, 5, device=DEVICE), torch.randn(2, 3, 16, 5, device=DEVICE)
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=5e-5, atol=5e-5)
 
@@ -136,8 +136,8 @@ def test_k_splits_cover_the_columns_once(tokens, K, block_t, block_k, waves):
 
 def test_more_streams_than_the_kernels_take():
     with pytest.raises(ValueError, match="n <= 16"):
-        HyperConnection(4, MAX_FUSED_STREAMS + 1, Branch(4), backend="triton")(torch.zeros(2, 17, 4))
-    assert kernels.MAX_STREAMS == MAX_FUSED_STREAMS
+        HyperConnection(4, MAX_STREAMS + 1, Branch(4), backend="triton")(torch.zeros(2, 17, 4))
+    assert kernels.MAX_STREAMS == MAX_STREAMS == MAX_FUSED_STREAMS
 
 
 def test_empty_batch():

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 from mhc.coefficients import DYNAMIC_MHC
-from mhc.layer import BACKENDS, MAX_EPS_N
+from mhc._checks import BACKENDS, MAX_EPS_N, MAX_STREAMS
 from mhc.mixing import stream_collapse
 from mhc.recompute import recompute_streams
-from mhc.sites import MAX_FUSED_STREAMS, Site
+from mhc.sites import Site
 
 __all__ = ["patch_deepseek_v4"]
 
@@ -154,7 +154,7 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
         raise ValueError(f"recompute must be True, False or a block length >= 1, got {recompute}")
     base = model.model if isinstance(model, v4.DeepseekV4ForCausalLM) else model
     n = base.config.hc_mult
-    limit = min(MAX_FUSED_STREAMS, MAX_EPS_N)
+    limit = min(MAX_STREAMS, MAX_EPS_N)
     if backend == "triton" and n > limit:
         raise ValueError(f"the fused kernels take hc_mult <= {limit}, got {n}; use backend='torch'")
     classes = _patched_classes()

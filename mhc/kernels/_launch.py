@@ -28,10 +28,12 @@ stores what it returns.
 Under ``TRITON_INTERPRET=1`` there is no compiled kernel: every launch is ``kernel[grid]``.
 ``MHC_FAST_LAUNCH=0`` does the same on a GPU (for comparison and debugging).
 
-Inside a ``torch.library.triton_op``'s body (``mhc._library``) a launch goes through
-``torch.library.wrap_triton``, so that ``torch.compile`` and ``torch.export`` see the kernel.
+Inside a ``torch.library.triton_op``'s body (``mhc._library`` runs it under
+:func:`traced_launches`) a launch goes through ``torch.library.wrap_triton``, so that
+``torch.compile`` and ``torch.export`` see the kernel.
 """
 
+import contextlib
 import functools
 import os
 
@@ -39,12 +41,23 @@ import torch
 import triton
 from triton import knobs
 
-from mhc import _library
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
 
 _Tensor = torch.Tensor
+
+tracing = False  # inside a triton_op's body: launches go through torch.library.wrap_triton
+
+
+@contextlib.contextmanager
+def traced_launches():
+    """Launches in this context go through ``torch.library.wrap_triton`` (a ``triton_op``'s body)."""
+    global tracing
+    before, tracing = tracing, True
+    try:
+        yield
+    finally:
+        tracing = before
 
 
 def _specialization(inputs: tuple, scalars: tuple) -> tuple[tuple, list]:
@@ -83,7 +96,7 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
     launch options (``num_warps``, ...); ``meta_key`` is a hashable stand-in for ``meta``
     (launchers cache their meta per configuration)."""
     args = (*inputs, *outputs, *scalars)
-    if _library.tracing:
+    if tracing:
         _traced_launch(kernel, grid, args, meta, meta_key)
         return
     if not FAST:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc._host import read_later
+from mhc.kernels._host import read_later
 from mhc.kernels._launch import sm_count
 
 try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy engine (TMA)

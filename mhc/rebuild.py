@@ -1,0 +1,293 @@
+"""How a site's backward rebuilds the streams it did not save: the machinery behind
+:func:`mhc.recompute.recompute_streams` (arXiv 2512.24880, section 4.3).
+
+How the pieces fit:
+
+- :class:`StreamRecompute` (one per model) follows the forward: which streams tensor continues the
+  current block, its recipe, and where a new block starts. A site continues the block only if its
+  input *is* the tensor the previous site returned (anything done to the streams in between starts
+  a new block) and the block has room.
+- :class:`StreamsAt` (one per position of a block) caches the rebuilt streams in the backward: the
+  first site to need position ``p`` (the block's last site runs its backward first) rebuilds
+  positions ``1..p`` once; each position is freed when the Functions that read it are done. The
+  transient is at most one block of streams, which is what the paper's ``L_r* = sqrt(n L / (n + 2))``
+  balances against the blocks' first streams (:func:`mhc.recompute.optimal_block`).
+- Under ``torch.compile`` the Functions cannot share Python state in their backward: each one
+  rebuilds its streams from the block's first ones, one ``mhc::stream_recompute`` op per step
+  (:mod:`mhc.mixing_ops`), all from one backward value that the block's Functions hand each other
+  through *links*, so that the compiled graph's common-subexpression pass merges the repeats.
+- The reference path (``backend="torch"``) saves the streams inside PyTorch ops, so there the
+  site's ops run under saved-tensor hooks (:func:`reference_scope`) that swap every saved tensor
+  sharing the streams' memory for a handle that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["StreamRecompute", "StreamsAt", "Plan", "reference_scope", "note_conversion",
+           "function_args", "function_outputs", "steps_of", "autocast_state"]
+
+
+class StreamsAt:
+    """The streams at one position ``p >= 1`` of a block, rebuilt at most once in the backward.
+
+    ``previous`` is the position before (``None`` for position 1, whose previous streams are the
+    block's first, saved as they are). A position keeps the one before alive, so the rebuilt
+    streams of a block live until the backward has passed them."""
+
+    __slots__ = ("previous", "value")
+
+    def __init__(self, previous: StreamsAt | None):
+        self.previous, self.value = previous, None
+
+    def get(self, start: torch.Tensor, steps, step):
+        """The streams at this position: ``start`` advanced by ``steps`` (``p`` tuples of ``step``'s
+        arguments after the streams), reusing and filling the cache of every position below."""
+        missing, known = [], self
+        while known is not None and known.value is None:
+            missing.append(known)
+            known = known.previous
+        x = start if known is None else known.value
+        for at, args in zip(reversed(missing), steps[len(steps) - len(missing):]):
+            x = step(x, *args)
+            at.value = x
+        return x
+
+
+def autocast_state(device_type: str) -> dict:
+    """The arguments of ``torch.autocast`` that restore the current autocast state of
+    ``device_type`` (as ``torch.utils.checkpoint`` replays its forward)."""
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+
+
+class Plan:
+    """How a site's Functions get streams that they do not save: the block's first streams
+    ``start``, the steps since (tuples ``(h_res, y, h_post)``), the backward's cache ``at``
+    (``None`` under ``torch.compile``, where the Functions are linked instead) and the
+    ``schedule`` that holds the block's link; ``version``: the streams' version counter when the
+    site read them (eager mode); ``autocast``: the forward's autocast state on the streams'
+    device, under which the reference path rebuilds them (its post-mix is an autocast op)."""
+
+    __slots__ = ("start", "steps", "at", "schedule", "version", "autocast")
+
+    def __init__(self, start, steps, at, schedule, version):
+        self.start, self.steps, self.at, self.schedule, self.version = start, steps, at, schedule, version
+        self.autocast = None if torch.compiler.is_compiling() else autocast_state(start.device.type)
+
+    def recipe(self) -> tuple:
+        """``(start, h_res_1, y_1, h_post_1, ...)``: the tensors to save, flat."""
+        return (self.start, *(t for step in self.steps for t in step))
+
+
+def function_args(plan: Plan | None) -> tuple:
+    """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, linked, link,
+    *recipe)`` in recompute mode, none (the defaults: save the streams) without a plan."""
+    if plan is None:
+        return ()
+    linked = torch.compiler.is_compiling()
+    return (plan.at, linked, plan.schedule.link if linked else None, *plan.recipe())
+
+
+def function_outputs(plan: Plan | None, outputs, single: bool = False):
+    """A fused Function's outputs without the link that a linked one returns last (kept as the
+    block's link for the next Function); ``single``: the Function returns one tensor."""
+    if plan is None or not torch.compiler.is_compiling():
+        return outputs
+    plan.schedule.link = outputs[-1]
+    return outputs[0] if single else outputs[:-1]
+
+
+def steps_of(recipe) -> list:
+    """The steps of a flat recipe (the inverse of :meth:`Plan.recipe` after ``start``)."""
+    return [tuple(recipe[i:i + 3]) for i in range(1, len(recipe), 3)]
+
+
+def _saved_tensor_hooks():
+    """The innermost open ``saved_tensors_hooks`` pair ``(pack, unpack)``, or ``None``."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _under_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` decides what this op saves (its forward, or its rerun in
+    the backward; the reentrant form reruns in a backward without hooks): the sites there keep
+    their streams, so that both runs save the same tensors and no block outlives the backward."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._current_graph_task_id() != -1:  # running inside a backward
+        return True
+    hooks = _saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def _kept(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What the setting keeps of a recipe tensor: under ``torch.compile`` a detached alias. The
+    setting outlives the compiled forward (the model's hooks clear it outside the compiled frame),
+    so every tensor it holds at the end becomes an output of the compiled graph, and one that
+    requires grad gets a gradient of zeros made at the start of the backward: a set of streams
+    per block start. The recipe needs no gradient (the Functions return none for it); eager mode
+    keeps the tensors themselves (the reference path's double backward goes through them)."""
+    return t.detach() if t is not None and torch.compiler.is_compiling() else t
+
+
+class StreamRecompute:
+    """The recompute setting of one model's sites and the block its forward is building.
+
+    ``every``: the block length ``L_r`` (sites per block; the first keeps its streams).
+    Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the block being built (the model's forward hooks call this before and after
+        each forward, so that no tensor outlives the forward here)."""
+        self._start_block(None, None)
+
+    def plan(self, x: torch.Tensor, path: str) -> Plan | None:
+        """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
+        ``x`` starts a block (the site saves it), else the recipe that rebuilds it."""
+        if not torch.is_grad_enabled() or _under_checkpoint():
+            self.streams = None  # a site that saves its streams breaks the chain
+            return None
+        if self._current(x) and path == self.path and len(self.steps) < self.every:
+            return Plan(self.start, tuple(self.steps), self.at, self, self.version)
+        return None
+
+    def _current(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the streams the block's last step made, unchanged: the same tensor, not
+        modified in place since (its version counter; not readable under ``torch.compile``)."""
+        if x is not self.streams:
+            return False
+        return torch.compiler.is_compiling() or x._version == self.version
+
+    def begin(self, x: torch.Tensor, path: str) -> None:
+        """``x`` (as the site saved it) starts a block."""
+        if torch.is_grad_enabled() and not _under_checkpoint():
+            self._start_block(path, x)
+
+    def _start_block(self, path: str | None, x: torch.Tensor | None) -> None:
+        self.path, self.start, self.steps, self.streams, self.at, self.link = path, _kept(x), [], x, None, None
+        self.version = 0
+        if x is not None:
+            self._stamp(x)
+
+    def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
+        """A site's Function read ``x`` and returned the same streams as ``x_pass``."""
+        if x is self.streams:
+            self.streams = x_pass
+            self._stamp(x_pass)
+
+    def continues(self, x: torch.Tensor) -> bool:
+        """Whether the streams after a post-mix of ``x`` stay in this block."""
+        return self._current(x) and len(self.steps) + 1 < self.every
+
+    def _stamp(self, x: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():
+            self.version = x._version
+
+    def next_at(self) -> StreamsAt | None:
+        """The cache of the position after the next step (``None`` under ``torch.compile``)."""
+        return None if torch.compiler.is_compiling() else StreamsAt(self.at)
+
+    def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None) -> None:
+        """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
+        ``out``'s position."""
+        if not self._current(x):
+            self.streams = None
+            return
+        self.steps.append(tuple(_kept(t) for t in step))
+        self.streams, self.at = out, at
+        self._stamp(out)
+
+
+# ------------------------------------------------------------------------------ reference path
+
+
+class _Rebuild:
+    """What a reference-path op saved in place of a tensor sharing the streams' memory: ``layout``
+    (shape, strides) of the streams, ``geometry`` (size, strides, offset) of the saved tensor in
+    them, and the dtype of the source it views (the streams or a conversion of them)."""
+
+    __slots__ = ("plan", "layout", "geometry", "dtype")
+
+    def __init__(self, plan, layout, geometry, dtype):
+        self.plan, self.layout, self.geometry, self.dtype = plan, layout, geometry, dtype
+
+
+class _Outer:
+    """What the enclosing saved-tensor hooks (offloading, counting) packed of any other tensor."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+@contextlib.contextmanager
+def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "raise"):
+    """Run PyTorch ops on streams ``x`` so that what they save of ``x`` (views of it, and its
+    conversions registered with :func:`note_conversion`) is rebuilt from ``plan`` in the backward
+    instead of kept. ``step(x, h_res, y, h_post)``: the post-mix of ``plan``'s path.
+
+    Used for a whole site on the reference path, and for plain HC's PyTorch coefficients on the
+    fused path. Under ``torch.compile`` (no saved-tensor hooks there) ``compiled="raise"`` raises,
+    ``"keep"`` lets the ops save ``x``."""
+    if plan is None or (compiled == "keep" and torch.compiler.is_compiling()):
+        yield
+        return
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "recompute_streams on the reference path (backend='torch') runs in eager mode only: it saves "
+            "through saved-tensor hooks. Compile with backend='triton' sites, or turn it off with "
+            "recompute_streams(model, every=1)"
+        )
+    sources = {x.untyped_storage().data_ptr(): x}
+    layout = (tuple(x.shape), tuple(x.stride()))
+    outer = _saved_tensor_hooks()  # what is not the streams still goes through them
+
+    def pack(t):
+        source = sources.get(t.untyped_storage().data_ptr()) if t.device == x.device else None
+        changed = source is x and x._version != plan.version  # modified in place since the site read it
+        if source is None or changed or t.storage_offset() < source.storage_offset():
+            return t if outer is None else _Outer(outer[0](t))
+        geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - source.storage_offset())
+        return _Rebuild(plan, layout, geometry, source.dtype)
+
+    def unpack(saved):
+        if isinstance(saved, _Outer):
+            return outer[1](saved.packed)
+        if not isinstance(saved, _Rebuild):
+            return saved
+        p = saved.plan
+        with torch.autocast(**p.autocast):
+            base = p.at.get(p.start, p.steps, step)
+        shape, stride = saved.layout
+        if base.dtype != saved.dtype or base.stride() != stride or base.storage_offset() != 0:
+            base = torch.empty_strided(shape, stride, dtype=saved.dtype, device=base.device).copy_(base)
+        size, strides, offset = saved.geometry
+        return base.as_strided(size, strides, offset)
+
+    _CONVERSIONS.append(sources)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _CONVERSIONS.pop()
+
+
+_CONVERSIONS: list = []  # the open reference scopes' {storage: source} maps
+
+
+def note_conversion(x: torch.Tensor, converted: torch.Tensor) -> None:
+    """``converted`` is ``x.to(dtype)``: inside a :func:`reference_scope` over ``x``, what ops save
+    of it is rebuilt too."""
+    if _CONVERSIONS and converted is not x:
+        sources = _CONVERSIONS[-1]
+        if x.untyped_storage().data_ptr() in sources:
+            sources[converted.untyped_storage().data_ptr()] = converted

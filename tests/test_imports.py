@@ -1,0 +1,80 @@
+"""The package's import graph: imports point down, never in a circle, and the kernel layer
+(``mhc/kernels/``) imports nothing above it. Imports inside functions count too."""
+
+import ast
+import pathlib
+
+import pytest
+
+import mhc
+
+ROOT = pathlib.Path(mhc.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, modules: set) -> set:
+    """The ``mhc`` modules ``path`` imports (``from mhc import x`` counts as ``mhc.x`` when that is
+    a module, else as the package ``mhc``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "mhc"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mhc":
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+    return found
+
+
+def _graph() -> dict:
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: _imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def _cycle(graph: dict) -> list | None:
+    """One import circle among the modules below the package root, or ``None``. The root
+    ``mhc/__init__.py`` only gathers the public names and imports everything, so it is left out."""
+    graph = {m: {d for d in deps if d != "mhc" and d in graph} for m, deps in graph.items() if m != "mhc"}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    assert "mhc.kernels.sinkhorn" in graph["mhc.kernels"]
+    assert "mhc.sites" in graph["mhc.recompute"]
+
+
+def test_no_import_circle():
+    assert _cycle(_graph()) is None
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycle({"mhc.a": {"mhc.b"}, "mhc.b": {"mhc.c"}, "mhc.c": {"mhc.a"}}) == ["mhc.a", "mhc.b", "mhc.c", "mhc.a"]
+    assert _cycle({"mhc.a": {"mhc.b"}, "mhc.b": set()}) is None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _graph() if m.startswith("mhc.kernels")))
+def test_kernel_layer_imports_nothing_above_it(module):
+    above = {d for d in _graph()[module] if not d.startswith("mhc.kernels")}
+    assert not above, f"{module} imports {sorted(above)}"
