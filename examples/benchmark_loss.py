@@ -24,7 +24,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from _bench import peak_extra, write_csv
 
 from mhc.losses import linear_cross_entropy
@@ -126,12 +125,23 @@ def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES, options=False):
                     print(f"{name} N={n} D={d} V={v} failed: {type(e).__name__}: {e}"[:300])
                     torch.cuda.empty_cache()
                     continue
-                rows.append(dict(N=n, D=d, V=v, method=name, ms=round(ms, 2),
-                                 peak_extra_mib=round(mib, 1), loss=round(loss, 4),
-                                 x_floor=round(ms / floor, 2)))
-                print(f"N={n:6d} D={d} V={v} {name:30s} {ms:8.2f} ms {mib:10.1f} MiB  "
-                      f"loss {loss:.4f}  {ms / floor:.2f}x the 6NDV floor ({floor:.1f} ms)",
-                      flush=True)
+                rows.append(
+                    dict(
+                        N=n,
+                        D=d,
+                        V=v,
+                        method=name,
+                        ms=round(ms, 2),
+                        peak_extra_mib=round(mib, 1),
+                        loss=round(loss, 4),
+                        x_floor=round(ms / floor, 2),
+                    )
+                )
+                print(
+                    f"N={n:6d} D={d} V={v} {name:30s} {ms:8.2f} ms {mib:10.1f} MiB  "
+                    f"loss {loss:.4f}  {ms / floor:.2f}x the 6NDV floor ({floor:.1f} ms)",
+                    flush=True,
+                )
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
             del x, w, t
@@ -156,38 +166,57 @@ def sweep(n=8192, d=4096, v=128256):
         return do_bench(lambda: lce.lse_forward(x, w, None, t, **extras), rep=300)
 
     def backward(need_x, need_w, smooth_scale=None, **extras):
-        return do_bench(lambda: lce.grad_backward(x, w, None, t, lse, scale, scale, smooth_scale,
-                                                  need_x, need_w, False, **extras), rep=300)
+        return do_bench(
+            lambda: lce.grad_backward(x, w, None, t, lse, scale, scale, smooth_scale, need_x, need_w, False, **extras),
+            rep=300,
+        )
 
-    logits_tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4),
-                    (256, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
+    logits_tiles = [
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (256, 128, 64, 8, 4),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+    ]
     default = dict(lce.TILES_16BIT)
     for tiles in logits_tiles:
         lce.TILES_16BIT["lse"] = lce.TILES_16BIT["grad_logits"] = tiles
         try:
-            print(f"logits tiles {tiles}: lse forward {forward():.2f} ms, G for all V "
-                  f"{backward(False, False):.2f} ms", flush=True)
+            print(
+                f"logits tiles {tiles}: lse forward {forward():.2f} ms, G for all V {backward(False, False):.2f} ms",
+                flush=True,
+            )
         except Exception as e:
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
     lce.TILES_16BIT.update(default)
     base = backward(False, False)
     dx_ms = backward(True, False) - base
     dw_ms = backward(False, True) - base
-    print(f"dx pass through cuBLAS (fp32 accumulator) {dx_ms:.2f} ms; "
-          f"dW pass (cuBLAS) {dw_ms:.2f} ms; floor per pass 2NDV = "
-          f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms", flush=True)
+    print(
+        f"dx pass through cuBLAS (fp32 accumulator) {dx_ms:.2f} ms; "
+        f"dW pass (cuBLAS) {dw_ms:.2f} ms; floor per pass 2NDV = "
+        f"{2 * n * d * v / FLOPS_PER_SECOND * 1e3:.2f} ms",
+        flush=True,
+    )
     # For reference: the logits' product through cuBLAS alone (which also writes the logits).
     logits_ms = do_bench(lambda: x @ w.t(), rep=300)
-    print(f"cuBLAS x @ W^T for all V (bf16 out) {logits_ms:.2f} ms; the four passes at that rate "
-          f"for the two logits passes: 2 x {logits_ms:.2f} + {dx_ms:.2f} + {dw_ms:.2f} = "
-          f"{2 * logits_ms + dx_ms + dw_ms:.2f} ms", flush=True)
+    print(
+        f"cuBLAS x @ W^T for all V (bf16 out) {logits_ms:.2f} ms; the four passes at that rate "
+        f"for the two logits passes: 2 x {logits_ms:.2f} + {dx_ms:.2f} + {dw_ms:.2f} = "
+        f"{2 * logits_ms + dx_ms + dw_ms:.2f} ms",
+        flush=True,
+    )
     softcap = dict(softcap=OPTIONS["softcap"])
-    for name, fwd, bwd in [("plain", {}, {}), ("soft-cap", softcap, softcap),
-                           ("smoothing", dict(smoothing=True), dict(smooth_scale=scale)),
-                           ("both", dict(smoothing=True, **softcap),
-                            dict(smooth_scale=scale, **softcap))]:
-        print(f"{name}: lse forward {forward(**fwd):.2f} ms, G for all V "
-              f"{backward(False, False, **bwd):.2f} ms", flush=True)
+    for name, fwd, bwd in [
+        ("plain", {}, {}),
+        ("soft-cap", softcap, softcap),
+        ("smoothing", dict(smoothing=True), dict(smooth_scale=scale)),
+        ("both", dict(smoothing=True, **softcap), dict(smooth_scale=scale, **softcap)),
+    ]:
+        print(
+            f"{name}: lse forward {forward(**fwd):.2f} ms, G for all V {backward(False, False, **bwd):.2f} ms",
+            flush=True,
+        )
 
 
 def profile(n=8192, d=4096, v=128256, steps=3):
@@ -219,10 +248,11 @@ def profile(n=8192, d=4096, v=128256, steps=3):
             events = json.load(trace)["traceEvents"]
     k = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
     busy, span = sum(b - a for a, b, _ in k), k[-1][1] - k[0][0]
-    print(f"N={n} D={d} V={v}, {steps} steps: kernels busy {busy / 1e3:.2f} ms of a "
-          f"{span / 1e3:.2f} ms span; largest gaps (us):")
-    gaps = sorted(((k[i + 1][0] - k[i][1], k[i][2], k[i + 1][2]) for i in range(len(k) - 1)),
-                  reverse=True)
+    print(
+        f"N={n} D={d} V={v}, {steps} steps: kernels busy {busy / 1e3:.2f} ms of a "
+        f"{span / 1e3:.2f} ms span; largest gaps (us):"
+    )
+    gaps = sorted(((k[i + 1][0] - k[i][1], k[i][2], k[i + 1][2]) for i in range(len(k) - 1)), reverse=True)
     for gap, before, after in gaps[:6]:
         print(f"  {gap:9.1f}  after {before[:50]}  before {after[:50]}")
 
@@ -231,14 +261,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="", help="CSV path for the table")
     p.add_argument("--sweep", action="store_true", help="time tile shapes of mhc's kernels instead")
-    p.add_argument("--profile", action="store_true",
-                   help="kernel time against step time and the idle gaps of mhc's step instead")
+    p.add_argument(
+        "--profile", action="store_true", help="kernel time against step time and the idle gaps of mhc's step instead"
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="values of N")
-    p.add_argument("--shapes", nargs="+", default=[f"{d}x{v}" for d, v in SHAPES],
-                   help="(D, V) pairs written DxV")
+    p.add_argument("--shapes", nargs="+", default=[f"{d}x{v}" for d, v in SHAPES], help="(D, V) pairs written DxV")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (names as printed)")
-    p.add_argument("--options", action="store_true",
-                   help="label smoothing 0.1, z-loss 1e-4, soft-cap 30 for every method")
+    p.add_argument(
+        "--options", action="store_true", help="label smoothing 0.1, z-loss 1e-4, soft-cap 30 for every method"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_loss.py needs a CUDA GPU")

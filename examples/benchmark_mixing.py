@@ -33,9 +33,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _bench import peak_extra, write_csv
+from torch import nn
 
 from mhc.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
@@ -136,14 +135,19 @@ def kernel_table(dim, n, tokens, copy_gbps):
     X, Y = x.numel() * 2, y.numel() * 2
     calls = {
         "coefficients + pre-mix fwd (read x twice, write x_in)": (
-            lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6), 2 * X + Y),
+            lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6),
+            2 * X + Y,
+        ),
         "post + residual fwd (read x, y; write out)": (lambda: kernels.stream_mix_fwd(x, h_res, y, h_post), 2 * X + Y),
         "post + residual bwd (read dout, x, y; write dx, dy)": (
-            lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, g_out), 3 * X + 2 * Y),
+            lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, g_out),
+            3 * X + 2 * Y,
+        ),
         "sinkhorn bwd": (lambda: kernels.sinkhorn_bwd(z_res, dh_res, 20), 3 * z_res.numel() * 4),
         "coefficients + pre-mix bwd (read x twice, dx_acc, dx_in twice; write dx)": (
             lambda: kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, h_post, dh_res, g_in, g_out),
-            4 * X + 2 * Y),
+            4 * X + 2 * Y,
+        ),
     }
     rows = []
     for name, (call, nbytes) in calls.items():
@@ -183,15 +187,40 @@ def block_table(dims, ns, tokens, repeats=3):
                 ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
                 ms, ratio = statistics.median(times[arm]), statistics.median(ratios)
                 peak = peak_extra(step)
-                rows.append(dict(dim=dim, n=n, arm=arm, ms=ms, x_plain=ratio, x_plain_min=ratios[0],
-                                 x_plain_max=ratios[-1], peak_extra_gib=peak / 2**30, note=""))
-                print(f"  d={dim:5d} n={n} {arm:>10} {ms:8.3f} ms {ratio:6.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f} "
-                      f"over {repeats} rounds)  peak +{peak / 2**30:6.2f} GiB", flush=True)
+                rows.append(
+                    dict(
+                        dim=dim,
+                        n=n,
+                        arm=arm,
+                        ms=ms,
+                        x_plain=ratio,
+                        x_plain_min=ratios[0],
+                        x_plain_max=ratios[-1],
+                        peak_extra_gib=peak / 2**30,
+                        note="",
+                    )
+                )
+                print(
+                    f"  d={dim:5d} n={n} {arm:>10} {ms:8.3f} ms {ratio:6.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f} "
+                    f"over {repeats} rounds)  peak +{peak / 2**30:6.2f} GiB",
+                    flush=True,
+                )
             del runs
             torch.cuda.empty_cache()
             for arm, reason in skipped.items():
-                rows.append(dict(dim=dim, n=n, arm=arm, ms=float("nan"), x_plain=float("nan"), x_plain_min=float("nan"),
-                                 x_plain_max=float("nan"), peak_extra_gib=float("nan"), note=reason))
+                rows.append(
+                    dict(
+                        dim=dim,
+                        n=n,
+                        arm=arm,
+                        ms=float("nan"),
+                        x_plain=float("nan"),
+                        x_plain_min=float("nan"),
+                        x_plain_max=float("nan"),
+                        peak_extra_gib=float("nan"),
+                        note=reason,
+                    )
+                )
     return rows
 
 
@@ -252,8 +281,9 @@ class GPT(nn.Module):
 
 def _static_bytes(model, opt) -> int:
     """Parameters and optimizer state of one model: what its step's peak holds besides activations."""
-    tensors = list(model.parameters()) + [t for state in opt.state.values() for t in state.values()
-                                          if isinstance(t, torch.Tensor)]
+    tensors = list(model.parameters()) + [
+        t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -265,8 +295,7 @@ def _recompute_arms(arms, recompute, layers, ckpt=(), ckpt_save=()) -> list:
     ``"mhc ckpt=<k> save"``."""
     sites = 2 * layers
     extra = [f"{arm} L_r={every or sites}" for arm in ("mhc", "mhc-chain") if arm in arms for every in recompute]
-    extra += [f"{arm} ckpt={k}" for arm in ("plain", "mhc") if arm in arms for k in ckpt
-              if arm == "mhc" or k == 1]
+    extra += [f"{arm} ckpt={k}" for arm in ("plain", "mhc") if arm in arms for k in ckpt if arm == "mhc" or k == 1]
     extra += [f"mhc ckpt={k} save" for k in ckpt_save if "mhc" in arms]
     return arms + extra
 
@@ -276,8 +305,7 @@ def _arm_settings(arm: str) -> tuple:
     kind, _, every = arm.partition(" L_r=")
     kind, _, ckpt = kind.partition(" ckpt=")
     ckpt, _, save = ckpt.partition(" ")
-    return (kind, int(every) if every else None, int(ckpt) if ckpt else None,
-            ("mhc_coefficients_fwd",) if save else ())
+    return (kind, int(every) if every else None, int(ckpt) if ckpt else None, ("mhc_coefficients_fwd",) if save else ())
 
 
 def _fully_shard(model):
@@ -301,8 +329,17 @@ def _fully_shard(model):
 MODES = {"eager": None, "compiled": {}, "graphs": dict(mode="reduce-overhead")}  # torch.compile arguments
 
 
-def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager", recompute: int | None = None,
-                  ckpt: int | None = None, fsdp: bool = False, save: tuple = ()):
+def training_step(
+    arm: str,
+    cfg: dict,
+    batch: int,
+    seq: int,
+    mode: str = "eager",
+    recompute: int | None = None,
+    ckpt: int | None = None,
+    fsdp: bool = False,
+    save: tuple = (),
+):
     """``(step, model, optimizer)``: one AdamW training step of the GPT ``arm`` (seed 0) on random
     tokens ``[batch, seq]``, run in ``mode`` (a key of :data:`MODES`), with
     :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given, ``ckpt``
@@ -327,8 +364,7 @@ def training_step(arm: str, cfg: dict, batch: int, seq: int, mode: str = "eager"
     return step, model, opt
 
 
-def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None, ckpt=(), fsdp=False,
-                ckpt_save=()):
+def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=None, ckpt=(), fsdp=False, ckpt_save=()):
     """Every arm of a configuration is built first, then timed ``repeats`` times, interleaved
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
@@ -341,8 +377,11 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
     from triton.testing import do_bench
 
     available, skipped = _arms()
-    base = [arm for arm in ["plain", "mhc", "mhc-chain", "mhc-torch", "liger"]
-            if arm in available + ["mhc-chain"] and (only is None or arm in only)]
+    base = [
+        arm
+        for arm in ["plain", "mhc", "mhc-chain", "mhc-torch", "liger"]
+        if arm in available + ["mhc-chain"] and (only is None or arm in only)
+    ]
     rows = []
     for config in configs:
         cfg = MODELS[config]
@@ -371,7 +410,9 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
             times = {arm: [] for arm in runs}
             for _ in range(repeats):
                 for arm, (step, *_rest) in runs.items():
-                    times[arm].append(do_bench(step, warmup=50, rep=300, return_mode="median") if step else float("nan"))
+                    times[arm].append(
+                        do_bench(step, warmup=50, rep=300, return_mode="median") if step else float("nan")
+                    )
             peaks, step_peaks = {}, {}
             for arm, (step, model, opt, _, _) in runs.items():
                 if step is None:
@@ -388,20 +429,53 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
                 ratios = sorted(t / p for t, p in zip(times[arm], times["plain"]))
                 ms = statistics.median(times[arm])
                 ratio = statistics.median(ratios)
-                rows.append(dict(model=f"d={cfg['dim']} L={cfg['layers']} B={batch_size}" + (" fsdp2" if fsdp else ""), tokens=tokens_per_step, mode=name, arm=arm, ms=ms,
-                                 tokens_per_s=tokens_per_step / ms * 1e3, x_plain=ratio, x_plain_min=ratios[0],
-                                 x_plain_max=ratios[-1], peak_gib=peaks[arm], peak_x_plain=peaks[arm] / peaks["plain"],
-                                 step_peak_gib=step_peaks[arm], first_step_s=first, note=note))
-                print(f"  d={cfg['dim']:5d} {tokens_per_step:6d} tok {name:>8} {arm:>16} {ms:8.2f} ms {tokens_per_step / ms * 1e3 / 1e3:7.0f}k tok/s "
-                      f"{ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) peak {peaks[arm]:6.2f} GiB "
-                      f"({peaks[arm] / peaks['plain']:4.2f}x) step peak {step_peaks[arm]:6.2f} GiB  first step {first:5.1f} s "
-                      f"{note}", flush=True)
+                rows.append(
+                    dict(
+                        model=f"d={cfg['dim']} L={cfg['layers']} B={batch_size}" + (" fsdp2" if fsdp else ""),
+                        tokens=tokens_per_step,
+                        mode=name,
+                        arm=arm,
+                        ms=ms,
+                        tokens_per_s=tokens_per_step / ms * 1e3,
+                        x_plain=ratio,
+                        x_plain_min=ratios[0],
+                        x_plain_max=ratios[-1],
+                        peak_gib=peaks[arm],
+                        peak_x_plain=peaks[arm] / peaks["plain"],
+                        step_peak_gib=step_peaks[arm],
+                        first_step_s=first,
+                        note=note,
+                    )
+                )
+                print(
+                    f"  d={cfg['dim']:5d} {tokens_per_step:6d} tok {name:>8} {arm:>16} {ms:8.2f} ms "
+                    f"{tokens_per_step / ms:7.0f}k tok/s {ratio:5.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) "
+                    f"peak {peaks[arm]:6.2f} GiB ({peaks[arm] / peaks['plain']:4.2f}x) "
+                    f"step peak {step_peaks[arm]:6.2f} GiB  first step {first:5.1f} s "
+                    f"{note}",
+                    flush=True,
+                )
             del runs
             torch.cuda.empty_cache()
     for arm, reason in skipped.items():
-        rows.append(dict(model="", tokens=0, mode="", arm=arm, ms=float("nan"), tokens_per_s=float("nan"), x_plain=float("nan"),
-                         x_plain_min=float("nan"), x_plain_max=float("nan"), peak_gib=float("nan"),
-                         peak_x_plain=float("nan"), step_peak_gib=float("nan"), first_step_s=float("nan"), note=reason))
+        rows.append(
+            dict(
+                model="",
+                tokens=0,
+                mode="",
+                arm=arm,
+                ms=float("nan"),
+                tokens_per_s=float("nan"),
+                x_plain=float("nan"),
+                x_plain_min=float("nan"),
+                x_plain_max=float("nan"),
+                peak_gib=float("nan"),
+                peak_x_plain=float("nan"),
+                step_peak_gib=float("nan"),
+                first_step_s=float("nan"),
+                note=reason,
+            )
+        )
     return rows
 
 
@@ -439,24 +513,65 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=3, help="block table: interleaved rounds of every arm")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--tables", nargs="+", default=["kernels", "block", "model", "profile"],
-                   choices=["kernels", "block", "model", "profile"])
-    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=sorted(MODES),
-                   help="model table: eager, torch.compile, torch.compile(mode='reduce-overhead') (CUDA graphs)")
-    p.add_argument("--batch", type=int, nargs="+", default=[None],
-                   help="model table: sequences per step (default: the configuration's); several: one table each")
-    p.add_argument("--arms", nargs="+", default=None, choices=["plain", "mhc", "mhc-chain", "mhc-torch", "liger"],
-                   help="model table: only these arms (default: all)")
-    p.add_argument("--models", nargs="+", default=["1024", "4096"], choices=sorted(MODELS),
-                   help="model table: the GPT configurations (by width)")
-    p.add_argument("--recompute", type=int, nargs="*", default=[],
-                   help="model table: also the mhc arms with recompute_streams at these block lengths (0: all sites)")
-    p.add_argument("--ckpt", type=int, nargs="*", default=[],
-                   help="model table: also plain (1) and mhc arms with this many layers per checkpoint region")
-    p.add_argument("--ckpt-save", type=int, nargs="*", default=[],
-                   help="model table: also mhc arms with this many layers per region and a selective policy that "
-                        "keeps mhc_coefficients_fwd")
-    p.add_argument("--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, a unit per block)")
+    p.add_argument(
+        "--tables",
+        nargs="+",
+        default=["kernels", "block", "model", "profile"],
+        choices=["kernels", "block", "model", "profile"],
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["eager", "compiled"],
+        choices=sorted(MODES),
+        help="model table: eager, torch.compile, torch.compile(mode='reduce-overhead') (CUDA graphs)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="model table: sequences per step (default: the configuration's); several: one table each",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=["plain", "mhc", "mhc-chain", "mhc-torch", "liger"],
+        help="model table: only these arms (default: all)",
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["1024", "4096"],
+        choices=sorted(MODELS),
+        help="model table: the GPT configurations (by width)",
+    )
+    p.add_argument(
+        "--recompute",
+        type=int,
+        nargs="*",
+        default=[],
+        help="model table: also the mhc arms with recompute_streams at these block lengths (0: all sites)",
+    )
+    p.add_argument(
+        "--ckpt",
+        type=int,
+        nargs="*",
+        default=[],
+        help="model table: also plain (1) and mhc arms with this many layers per checkpoint region",
+    )
+    p.add_argument(
+        "--ckpt-save",
+        type=int,
+        nargs="*",
+        default=[],
+        help="model table: also mhc arms with this many layers per region and a selective policy that "
+        "keeps mhc_coefficients_fwd",
+    )
+    p.add_argument(
+        "--fsdp", action="store_true", help="model table: every arm under FSDP2 (one process, a unit per block)"
+    )
     p.add_argument("--out-dir", default="results/mixing")
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
@@ -464,8 +579,11 @@ def main(argv=None):
         sys.exit("benchmark_mixing.py needs a CUDA GPU")
     os.makedirs(args.out_dir, exist_ok=True)
     copy_gbps = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward+backward; "
-          f"device copy {copy_gbps:.0f} GB/s", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward+backward; "
+        f"device copy {copy_gbps:.0f} GB/s",
+        flush=True,
+    )
     if "kernels" in args.tables:
         rows = []
         for dim in args.dims:
@@ -476,17 +594,52 @@ def main(argv=None):
     if "block" in args.tables:
         print("## block: MLP, tokens", args.tokens, flush=True)
         rows = block_table(args.dims, args.streams, args.tokens, args.repeats)
-        write_csv(rows, f"{args.out_dir}/block.csv",
-                  ["dim", "n", "arm", "ms", "x_plain", "x_plain_min", "x_plain_max", "peak_extra_gib", "note"])
+        write_csv(
+            rows,
+            f"{args.out_dir}/block.csv",
+            ["dim", "n", "arm", "ms", "x_plain", "x_plain_min", "x_plain_max", "peak_extra_gib", "note"],
+        )
     if "model" in args.tables:
-        print(f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
-              flush=True)
-        rows = [row for batch in args.batch
-                for row in model_table(args.models, args.seq, args.modes, args.arms, args.repeats, args.recompute, batch,
-                                       args.ckpt, args.fsdp, args.ckpt_save)]
-        write_csv(rows, f"{args.out_dir}/model.csv",
-                  ["model", "tokens", "mode", "arm", "ms", "tokens_per_s", "x_plain", "x_plain_min", "x_plain_max", "peak_gib",
-                   "peak_x_plain", "step_peak_gib", "first_step_s", "note"])
+        print(
+            f"## model: GPTs {args.models}, sequences of {args.seq}, AdamW step, {args.repeats} interleaved rounds",
+            flush=True,
+        )
+        rows = [
+            row
+            for batch in args.batch
+            for row in model_table(
+                args.models,
+                args.seq,
+                args.modes,
+                args.arms,
+                args.repeats,
+                args.recompute,
+                batch,
+                args.ckpt,
+                args.fsdp,
+                args.ckpt_save,
+            )
+        ]
+        write_csv(
+            rows,
+            f"{args.out_dir}/model.csv",
+            [
+                "model",
+                "tokens",
+                "mode",
+                "arm",
+                "ms",
+                "tokens_per_s",
+                "x_plain",
+                "x_plain_min",
+                "x_plain_max",
+                "peak_gib",
+                "peak_x_plain",
+                "step_peak_gib",
+                "first_step_s",
+                "note",
+            ],
+        )
     if "profile" in args.tables:
         table = profile_block(4096, 4, args.tokens, args.profile_rows)
         print(table, flush=True)

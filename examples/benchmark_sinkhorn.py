@@ -21,7 +21,6 @@ import os
 import sys
 
 import torch
-
 from _bench import peak_extra, write_csv
 
 from mhc import reference
@@ -40,8 +39,6 @@ def _impls(iters: int):
     }
 
 
-
-
 def _kernel_row(n, T, name, x, w, iters, floor, nbytes):
     """Forward + backward launchers only, replayed in a CUDA graph (no Python overhead)."""
     from triton.testing import do_bench_cudagraph
@@ -53,8 +50,17 @@ def _kernel_row(n, T, name, x, w, iters, floor, nbytes):
     else:
         call = lambda: kernels.sinkhorn_implicit_bwd(kernels.sinkhorn_fwd(x, iters), w)
     ms = do_bench_cudagraph(call, rep=100, return_mode="median")
-    return dict(n=n, T=T, impl=name, mode="kernels", ms=ms, gbps=5 * nbytes / ms / 1e6,
-                x_floor=ms / floor, peak_extra_mib=float("nan"), x_logits=float("nan"))
+    return dict(
+        n=n,
+        T=T,
+        impl=name,
+        mode="kernels",
+        ms=ms,
+        gbps=5 * nbytes / ms / 1e6,
+        x_floor=ms / floor,
+        peak_extra_mib=float("nan"),
+        x_logits=float("nan"),
+    )
 
 
 def run(ns, ts, iters, impl_names, out_path):
@@ -68,8 +74,19 @@ def run(ns, ts, iters, impl_names, out_path):
             w = torch.randn_like(x)  # random upstream gradient: all-ones would give ~0 gradients
             nbytes = x.numel() * x.element_size()
             floor = do_bench(lambda: x.clone(), warmup=25, rep=100, return_mode="median")
-            rows.append(dict(n=n, T=T, impl="floor", mode="clone", ms=floor,
-                             gbps=2 * nbytes / floor / 1e6, x_floor=1.0, peak_extra_mib=0, x_logits=0))
+            rows.append(
+                dict(
+                    n=n,
+                    T=T,
+                    impl="floor",
+                    mode="clone",
+                    ms=floor,
+                    gbps=2 * nbytes / floor / 1e6,
+                    x_floor=1.0,
+                    peak_extra_mib=0,
+                    x_logits=0,
+                )
+            )
             for name in impl_names:
                 fn = impls[name]
                 xg = x.clone().requires_grad_()
@@ -82,19 +99,43 @@ def run(ns, ts, iters, impl_names, out_path):
                         peak = peak_extra(call)
                         xg.grad = None
                         moved = 2 * nbytes if mode == "fwd" else 5 * nbytes
-                        rows.append(dict(n=n, T=T, impl=name, mode=mode, ms=ms, gbps=moved / ms / 1e6,
-                                         x_floor=ms / floor, peak_extra_mib=peak / 2**20,
-                                         x_logits=peak / nbytes))
+                        rows.append(
+                            dict(
+                                n=n,
+                                T=T,
+                                impl=name,
+                                mode=mode,
+                                ms=ms,
+                                gbps=moved / ms / 1e6,
+                                x_floor=ms / floor,
+                                peak_extra_mib=peak / 2**20,
+                                x_logits=peak / nbytes,
+                            )
+                        )
                 except torch.cuda.OutOfMemoryError:
-                    rows.append(dict(n=n, T=T, impl=name, mode="oom", ms=float("nan"), gbps=0,
-                                     x_floor=float("nan"), peak_extra_mib=float("nan"), x_logits=float("nan")))
+                    rows.append(
+                        dict(
+                            n=n,
+                            T=T,
+                            impl=name,
+                            mode="oom",
+                            ms=float("nan"),
+                            gbps=0,
+                            x_floor=float("nan"),
+                            peak_extra_mib=float("nan"),
+                            x_logits=float("nan"),
+                        )
+                    )
                 if name.startswith("mhc_"):
                     rows.append(_kernel_row(n, T, name, x, w, iters, floor, nbytes))
-                del xg
+                xg = None
                 torch.cuda.empty_cache()
-            for r in rows[-(1 + 2 * len(impl_names) + sum(i.startswith("mhc_") for i in impl_names)):]:
-                print(f"n={r['n']:>2} T={r['T']:>8} {r['impl']:>12} {r['mode']:>7} "
-                      f"{r['ms']:9.4f} ms {r['x_floor']:7.1f}x floor  peak+{r['x_logits']:5.1f}x", flush=True)
+            for r in rows[-(1 + 2 * len(impl_names) + sum(i.startswith("mhc_") for i in impl_names)) :]:
+                print(
+                    f"n={r['n']:>2} T={r['T']:>8} {r['impl']:>12} {r['mode']:>7} "
+                    f"{r['ms']:9.4f} ms {r['x_floor']:7.1f}x floor  peak+{r['x_logits']:5.1f}x",
+                    flush=True,
+                )
     if out_path:
         write_csv(rows, out_path, FIELDS)
     return rows
@@ -120,12 +161,20 @@ def plot(csv_path: str, png_path: str):
             ("compile", "fwd+bwd", "torch.compile", "-"),
             ("eager", "fwd+bwd", "eager PyTorch", "-"),
         ):
-            pts = sorted((int(r["T"]), float(r["ms"])) for r in rows
-                         if int(r["n"]) == n and r["impl"] == impl and r["mode"] == mode)
+            pts = sorted(
+                (int(r["T"]), float(r["ms"]))
+                for r in rows
+                if int(r["n"]) == n and r["impl"] == impl and r["mode"] == mode
+            )
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="T (matrices)", ylabel="ms, forward+backward",
-               title=f"Sinkhorn, n = {n}, 20 iterations, fp32")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="T (matrices)",
+            ylabel="ms, forward+backward",
+            title=f"Sinkhorn, n = {n}, 20 iterations, fp32",
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -147,8 +196,10 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         sys.exit("benchmark_sinkhorn.py needs a CUDA GPU (use --plot CSV to draw an existing result)")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}",
+        flush=True,
+    )
     if args.mib:
         rows = [r for n in args.n for r in run([n], [args.mib * 2**20 // (4 * n * n)], args.iters, args.impl, None)]
         write_csv(rows, args.out, FIELDS)

@@ -34,11 +34,33 @@ from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
 
 PRESETS = {
     # CPU: two layers, hidden 64, 24 tokens a sequence
-    "cpu": dict(hidden=64, layers=2, heads=2, head_dim=32, experts=4, expert_dim=64, batch=8, seq=32, steps=200,
-                lr=3e-3, dtype="float32"),
+    "cpu": dict(
+        hidden=64,
+        layers=2,
+        heads=2,
+        head_dim=32,
+        experts=4,
+        expert_dim=64,
+        batch=8,
+        seq=32,
+        steps=200,
+        lr=3e-3,
+        dtype="float32",
+    ),
     # one GPU: four layers, hidden 1024, 8 x 512 tokens
-    "gpu": dict(hidden=1024, layers=4, heads=8, head_dim=128, experts=8, expert_dim=512, batch=8, seq=512,
-                steps=300, lr=1e-3, dtype="bfloat16"),
+    "gpu": dict(
+        hidden=1024,
+        layers=4,
+        heads=8,
+        head_dim=128,
+        experts=8,
+        expert_dim=512,
+        batch=8,
+        seq=512,
+        steps=300,
+        lr=1e-3,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -46,11 +68,27 @@ def v4_config(hidden, layers, heads, head_dim, experts, expert_dim, vocab, hc_mu
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(
-        vocab_size=vocab, hidden_size=hidden, moe_intermediate_size=expert_dim, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, q_lora_rank=hidden // 2,
-        o_lora_rank=hidden // 2, o_groups=2, n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
-        index_n_heads=2, index_head_dim=64, index_topk=8, sliding_window=64, qk_rope_head_dim=min(64, head_dim // 2),
-        hc_mult=hc_mult, num_nextn_predict_layers=0, max_position_embeddings=4096,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        moe_intermediate_size=expert_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        q_lora_rank=hidden // 2,
+        o_lora_rank=hidden // 2,
+        o_groups=2,
+        n_routed_experts=experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        index_n_heads=2,
+        index_head_dim=64,
+        index_topk=8,
+        sliding_window=64,
+        qk_rope_head_dim=min(64, head_dim // 2),
+        hc_mult=hc_mult,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=4096,
         mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
     )
 
@@ -97,16 +135,23 @@ def compare(args, device):
     config = v4_config(vocab=source.vocab, **vars(args))
     unpatched = build(config, device, dtype)
     patched = patch_deepseek_v4(copy.deepcopy(unpatched))
-    print(f"# DeepSeek-V4, {args.layers} layers, hidden {args.hidden}, hc_mult 4, {args.batch} x {args.seq} tokens, "
-          f"{args.dtype}, {device}; optimal loss {source.optimum(args.seq):.4f}", flush=True)
+    print(
+        f"# DeepSeek-V4, {args.layers} layers, hidden {args.hidden}, hc_mult 4, {args.batch} x {args.seq} tokens, "
+        f"{args.dtype}, {device}; optimal loss {source.optimum(args.seq):.4f}",
+        flush=True,
+    )
     results = {}
     for label, model in (("unpatched", unpatched), ("patched", patched)):
         losses, times = train(model, source, args, device, label)
-        steady = statistics.median(times[len(times) // 4:])
+        steady = statistics.median(times[len(times) // 4 :])
         results[label] = dict(losses=losses, step_ms=steady * 1e3)
-    print(f"# median step: unpatched {results['unpatched']['step_ms']:.1f} ms, patched "
-          f"{results['patched']['step_ms']:.1f} ms ({results['unpatched']['step_ms'] / results['patched']['step_ms']:.2f}x); "
-          f"final loss {results['unpatched']['losses'][-1]:.4f} / {results['patched']['losses'][-1]:.4f}", flush=True)
+    print(
+        f"# median step: unpatched {results['unpatched']['step_ms']:.1f} ms, patched "
+        f"{results['patched']['step_ms']:.1f} ms "
+        f"({results['unpatched']['step_ms'] / results['patched']['step_ms']:.2f}x); "
+        f"final loss {results['unpatched']['losses'][-1]:.4f} / {results['patched']['losses'][-1]:.4f}",
+        flush=True,
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "deepseek_v4.json"), "w") as f:
         json.dump(results, f)
@@ -134,10 +179,9 @@ def bench_layer(args):
     """The mHC work of one decoder layer, both sites, forward + backward: transformers' modules
     (``DeepseekV4HyperConnection`` and the decoder layer's mixing, as it ships) against the patched
     modules (``split``, the seam to the MLP site, ``finish``), with the branches the identity."""
-    from triton.testing import do_bench
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
-
     from _bench import peak_extra
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    from triton.testing import do_bench
 
     config = v4_config(vocab=64, **{**vars(args), "hidden": args.bench_dim})
     n, dim, dtype = 4, args.bench_dim, torch.bfloat16
@@ -156,7 +200,9 @@ def bench_layer(args):
         post, comb, collapsed = attn(x)
         x = post.to(dtype).unsqueeze(-1) * collapsed.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
         post, comb, collapsed = ffn(x)
-        return post.to(dtype).unsqueeze(-1) * collapsed.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+        return post.to(dtype).unsqueeze(-1) * collapsed.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), x
+        )
 
     def mhc_layer(attn, ffn, x):
         x_in, finish = attn.split(x)
@@ -177,12 +223,16 @@ def bench_layer(args):
                 site.backend = "auto"
         step = lambda: layer(attn, ffn, x).backward(w)  # noqa: E731
         step()
-        ms = do_bench(step, warmup=25, rep=200, grad_to_none=[x, *attn.parameters(), *ffn.parameters()],
-                      return_mode="median")
+        ms = do_bench(
+            step, warmup=25, rep=200, grad_to_none=[x, *attn.parameters(), *ffn.parameters()], return_mode="median"
+        )
         peak = peak_extra(step) / 2**30
         rows.append((label, ms, peak))
-        print(f"  one decoder layer's mHC, fwd+bwd, d={dim}, {args.bench_tokens} tokens: {label:>12} {ms:8.3f} ms, "
-              f"peak {peak:6.2f} GiB", flush=True)
+        print(
+            f"  one decoder layer's mHC, fwd+bwd, d={dim}, {args.bench_tokens} tokens: {label:>12} {ms:8.3f} ms, "
+            f"peak {peak:6.2f} GiB",
+            flush=True,
+        )
     (_, t_ms, t_peak), (_, m_ms, m_peak) = rows
     print(f"  mhc: {t_ms / m_ms:.1f}x faster, {t_peak / m_peak:.1f}x less peak memory", flush=True)
 
@@ -194,8 +244,12 @@ def bench_step(args):
     from torch.profiler import ProfilerActivity, profile
 
     sites = 2 * args.step_layers
-    arms = {"unpatched": (None, None), "patched": (False, None), "patched, recompute": (True, None),
-            f"patched, recompute {sites}": (sites, None)}
+    arms = {
+        "unpatched": (None, None),
+        "patched": (False, None),
+        "patched, recompute": (True, None),
+        f"patched, recompute {sites}": (sites, None),
+    }
     steps = _time_steps(args, arms)
     step = steps["patched"][0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -207,8 +261,11 @@ def bench_step(args):
         total += event.self_device_time_total
         if any(k in event.key for k in ("coefficient", "stream_mix", "seam", "sinkhorn", "projection_bwd")):
             mhc += event.self_device_time_total
-    print(f"  patched step profile: mHC kernels {mhc / 3e3:.2f} ms of {total / 3e3:.2f} ms GPU time per step "
-          f"({mhc / total:.1%})", flush=True)
+    print(
+        f"  patched step profile: mHC kernels {mhc / 3e3:.2f} ms of {total / 3e3:.2f} ms GPU time per step "
+        f"({mhc / total:.1%})",
+        flush=True,
+    )
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
 
 
@@ -244,7 +301,7 @@ def checkpoint_decoder_layers(model, every: int):
     layers = list(model.model.layers)
     grouped = []
     for first in range(0, len(layers), every):
-        group = layers[first:first + every]
+        group = layers[first : first + every]
         grouped += [Group(group)] + [PassOn() for _ in group[1:]]
     model.model.layers = nn.ModuleList(grouped)
     return model
@@ -291,9 +348,12 @@ def _time_steps(args, arms: dict) -> dict:
     ntok = args.step_batch * args.seq
     for label in steps:
         ms = statistics.median(times[label])
-        print(f"  V4 step ({args.step_layers} layers, hidden {args.step_dim}, {ntok} tokens, {args.dtype}): "
-              f"{label:>22} {ms:8.2f} ms ({', '.join(f'{t:.2f}' for t in times[label])}), peak beyond weights "
-              f"{peaks[label]:6.2f} GiB", flush=True)
+        print(
+            f"  V4 step ({args.step_layers} layers, hidden {args.step_dim}, {ntok} tokens, {args.dtype}): "
+            f"{label:>22} {ms:8.2f} ms ({', '.join(f'{t:.2f}' for t in times[label])}), peak beyond weights "
+            f"{peaks[label]:6.2f} GiB",
+            flush=True,
+        )
     return steps
 
 
@@ -340,9 +400,12 @@ def bench_decode(args):
                 times[label].append((time.perf_counter() - t0) / new * 1e3)
         for label in models:
             ms = statistics.median(times[label])
-            print(f"  V4 decode ({args.step_layers} layers, hidden {args.step_dim}, batch {batch}, "
-                  f"prompt {prompt_len}, {new} new tokens, {args.dtype}): {label:>9} {ms:7.2f} ms per token "
-                  f"({', '.join(f'{t:.2f}' for t in times[label])}); same tokens: {same}", flush=True)
+            print(
+                f"  V4 decode ({args.step_layers} layers, hidden {args.step_dim}, batch {batch}, "
+                f"prompt {prompt_len}, {new} new tokens, {args.dtype}): {label:>9} {ms:7.2f} ms per token "
+                f"({', '.join(f'{t:.2f}' for t in times[label])}); same tokens: {same}",
+                flush=True,
+            )
 
         model = models["patched"]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -365,9 +428,12 @@ def bench_decode(args):
         wall = (time.perf_counter() - t0) / new * 1e3
         share = _host_share(pstats.Stats(host), ("/mhc/", "/transformers/", "/torch/", "/triton/", "~"))
         host_ms = ", ".join(f"{k.strip('/').replace('~', 'C')} {v / new * 1e3:.2f} ms" for k, v in share.items())
-        print(f"  patched, batch {batch}, per token: GPU kernels {gpu / new / 1e3:.2f} ms in {launches / new:.0f} "
-              f"kernels (mHC kernels {mhc / new / 1e3:.3f} ms); under cProfile {wall:.2f} ms wall, self time "
-              f"{host_ms}", flush=True)
+        print(
+            f"  patched, batch {batch}, per token: GPU kernels {gpu / new / 1e3:.2f} ms in {launches / new:.0f} "
+            f"kernels (mHC kernels {mhc / new / 1e3:.3f} ms); under cProfile {wall:.2f} ms wall, self time "
+            f"{host_ms}",
+            flush=True,
+        )
 
 
 def main(argv=None):
@@ -382,8 +448,11 @@ def main(argv=None):
     p.add_argument("--step-dim", type=int, default=2048)
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-batch", type=int, default=4)
-    p.add_argument("--bench-ckpt", action="store_true",
-                   help="GPU: a training step with the decoder layers checkpointed, k layers per region")
+    p.add_argument(
+        "--bench-ckpt",
+        action="store_true",
+        help="GPU: a training step with the decoder layers checkpointed, k layers per region",
+    )
     p.add_argument("--bench-decode", action="store_true", help="GPU: greedy generation, unpatched vs patched")
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-tokens", type=int, default=64)

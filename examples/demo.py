@@ -1,6 +1,6 @@
 """A first look at mhc's Sinkhorn operator (runs on CPU or GPU in a few seconds).
 
-    python examples/demo.py
+python examples/demo.py
 """
 
 import torch

@@ -39,8 +39,10 @@ def main(argv=None):
     p.add_argument("--scales", type=float, nargs="+", default=[0.1, 1.0, 3.0, 10.0])
     p.add_argument("--iters", type=int, nargs="+", default=[5, 20, 100])
     args = p.parse_args(argv)
-    print(f"n = {args.n}, {args.T} matrices per cell, fp64; median / max relative error; "
-          "median column-sum error of the output\n")
+    print(
+        f"n = {args.n}, {args.T} matrices per cell, fp64; median / max relative error; "
+        "median column-sum error of the output\n"
+    )
     print("| logit std | " + " | ".join(f"iters = {i}" for i in args.iters) + " |")
     print("| --- |" + " --- |" * len(args.iters))
     for scale in args.scales:

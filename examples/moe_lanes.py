@@ -28,19 +28,44 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from train_toy_lm import Attention, MarkovSource, autocast, batch_for_step, hardware
 
 from mhc.mixing import LaneMixer
 
 ARMS = ("none", "mixed")
 PRESETS = {
-    "cpu": dict(dim=64, layers=4, heads=4, experts=8, expert_dim=64, seq_len=64, batch_size=16,
-                steps=600, lr=1e-2, vocab=16, branching=4, eval_every=50, eval_batches=4,
-                dtype="float32"),
-    "gpu": dict(dim=256, layers=4, heads=8, experts=16, expert_dim=256, seq_len=256, batch_size=32,
-                steps=600, lr=2e-3, vocab=32, branching=4, eval_every=50, eval_batches=8,
-                dtype="bfloat16"),
+    "cpu": dict(
+        dim=64,
+        layers=4,
+        heads=4,
+        experts=8,
+        expert_dim=64,
+        seq_len=64,
+        batch_size=16,
+        steps=600,
+        lr=1e-2,
+        vocab=16,
+        branching=4,
+        eval_every=50,
+        eval_batches=4,
+        dtype="float32",
+    ),
+    "gpu": dict(
+        dim=256,
+        layers=4,
+        heads=8,
+        experts=16,
+        expert_dim=256,
+        seq_len=256,
+        batch_size=32,
+        steps=600,
+        lr=2e-3,
+        vocab=32,
+        branching=4,
+        eval_every=50,
+        eval_batches=8,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -109,8 +134,9 @@ def mixing_matrices(model, args, source, device) -> list[list[list[float]]]:
     """Each layer's mixing matrix: the static one, or the mean over a validation batch's tokens."""
     batch = batch_for_step(source, args, 0, split="val").to(device)
     captured = []
-    hooks = [m.register_forward_hook(lambda m, inp, out: captured.append(m.matrix(inp[0]).float()))
-             for m in model.mixers()]
+    hooks = [
+        m.register_forward_hook(lambda m, inp, out: captured.append(m.matrix(inp[0]).float())) for m in model.mixers()
+    ]
     with autocast(args, device):
         model(batch[:, :-1], batch[:, 1:])
     for hook in hooks:
@@ -143,17 +169,24 @@ def train(arm: str, args, source, device) -> list[dict]:
             if step % args.eval_every == 0 or last:
                 record["val_loss"] = evaluate(model, args, source, device)
             records.append(record)
-            print(f"{arm:5s} step {step:4d} loss {record['train_loss']:.3f}"
-                  + (f" val {record['val_loss']:.3f}" if "val_loss" in record else ""), flush=True)
+            print(
+                f"{arm:5s} step {step:4d} loss {record['train_loss']:.3f}"
+                + (f" val {record['val_loss']:.3f}" if "val_loss" in record else ""),
+                flush=True,
+            )
     if arm == "mixed":
         (Path(args.out_dir) / "mixing.json").write_text(json.dumps(mixing_matrices(model, args, source, device)))
     return records
 
 
 def report(out: Path, logs: dict, optimum: float, args, command: str) -> None:
-    lines = ["# Dense MoE with and without lane mixing\n", f"`{command}` on {hardware()}; "
-             f"{args.experts} experts, {args.layers} layers, mixer {args.mixer}, {args.steps} steps.\n",
-             "| arm | final val loss | optimum | tokens/s |", "| --- | --- | --- | --- |"]
+    lines = [
+        "# Dense MoE with and without lane mixing\n",
+        f"`{command}` on {hardware()}; "
+        f"{args.experts} experts, {args.layers} layers, mixer {args.mixer}, {args.steps} steps.\n",
+        "| arm | final val loss | optimum | tokens/s |",
+        "| --- | --- | --- | --- |",
+    ]
     for arm, rs in logs.items():
         val = [r["val_loss"] for r in rs if "val_loss" in r][-1]
         lines.append(f"| {arm} | {val:.4f} | {optimum:.4f} | {rs[-1]['tokens_per_s']:,.0f} |")
@@ -169,9 +202,16 @@ def report(out: Path, logs: dict, optimum: float, args, command: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm, rs in logs.items():
-        line, = ax.plot([r["step"] for r in rs], [r["train_loss"] for r in rs], alpha=0.35, lw=1)
+        (line,) = ax.plot([r["step"] for r in rs], [r["train_loss"] for r in rs], alpha=0.35, lw=1)
         ev = [r for r in rs if "val_loss" in r]
-        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(), ms=3, label=f"{arm} (val)")
+        ax.plot(
+            [r["step"] for r in ev],
+            [r["val_loss"] for r in ev],
+            "o-",
+            color=line.get_color(),
+            ms=3,
+            label=f"{arm} (val)",
+        )
     ax.axhline(optimum, color="k", ls="--", lw=1, label=f"optimum {optimum:.3f}")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Dense MoE: training (thin) and validation loss")
     ax.legend()
@@ -197,8 +237,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--log-every", type=int, default=10)
-    for name in ("dim", "layers", "heads", "experts", "expert_dim", "seq_len", "batch_size", "steps",
-                 "eval_every", "eval_batches"):
+    for name in (
+        "dim",
+        "layers",
+        "heads",
+        "experts",
+        "expert_dim",
+        "seq_len",
+        "batch_size",
+        "steps",
+        "eval_every",
+        "eval_batches",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset")
     p.add_argument("--lr", type=float, help="override the preset")
     args = p.parse_args(argv)

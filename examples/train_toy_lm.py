@@ -38,7 +38,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -50,13 +54,37 @@ from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams
 ARMS = ("baseline", "hc", "mhc")
 PRESETS = {
     # a 2-core CPU runs the three-arm comparison in a few minutes
-    "cpu": dict(dim=64, layers=4, heads=4, seq_len=64, batch_size=16, steps=600, lr=1e-2,
-                vocab=16, branching=4, eval_every=50, eval_batches=4, loss="torch",
-                dtype="float32"),
+    "cpu": dict(
+        dim=64,
+        layers=4,
+        heads=4,
+        seq_len=64,
+        batch_size=16,
+        steps=600,
+        lr=1e-2,
+        vocab=16,
+        branching=4,
+        eval_every=50,
+        eval_batches=4,
+        loss="torch",
+        dtype="float32",
+    ),
     # one GPU: bf16 autocast, the fused hyper-connection kernels and the fused linear cross-entropy
-    "gpu": dict(dim=512, layers=8, heads=8, seq_len=256, batch_size=32, steps=1000, lr=2e-3,
-                vocab=32, branching=4, eval_every=50, eval_batches=8, loss="fused",
-                dtype="bfloat16"),
+    "gpu": dict(
+        dim=512,
+        layers=8,
+        heads=8,
+        seq_len=256,
+        batch_size=32,
+        steps=1000,
+        lr=2e-3,
+        vocab=32,
+        branching=4,
+        eval_every=50,
+        eval_batches=8,
+        loss="fused",
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -193,8 +221,21 @@ class TinyGPT(nn.Module):
     shards each hyper-connection as its own unit and gathers its parameters when the module is
     called, so sharded runs call every site as a module (``chain=False``)."""
 
-    def __init__(self, vocab, dim, layers, heads, seq_len, residual, streams, sinkhorn_iters, loss,
-                 checkpoint_blocks=False, chain=True, capturable=False):
+    def __init__(
+        self,
+        vocab,
+        dim,
+        layers,
+        heads,
+        seq_len,
+        residual,
+        streams,
+        sinkhorn_iters,
+        loss,
+        checkpoint_blocks=False,
+        chain=True,
+        capturable=False,
+    ):
         super().__init__()
         self.residual, self.streams, self.loss = residual, streams, loss
         self.checkpoint_blocks = checkpoint_blocks
@@ -248,9 +289,20 @@ class TinyGPT(nn.Module):
 
 def build_model(args, arm: str, vocab: int) -> TinyGPT:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    return TinyGPT(vocab, args.dim, args.layers, args.heads, args.seq_len, arm, args.streams,
-                   args.sinkhorn_iters, args.loss, args.checkpoint_activations, chain=not args.fsdp,
-                   capturable=args.cuda_graph)
+    return TinyGPT(
+        vocab,
+        args.dim,
+        args.layers,
+        args.heads,
+        args.seq_len,
+        arm,
+        args.streams,
+        args.sinkhorn_iters,
+        args.loss,
+        args.checkpoint_activations,
+        chain=not args.fsdp,
+        capturable=args.cuda_graph,
+    )
 
 
 def shard(model: TinyGPT, args) -> TinyGPT:
@@ -269,8 +321,10 @@ def full_state(model, opt, args) -> dict:
     if not args.fsdp:
         return dict(model=model.state_dict(), optimizer=opt.state_dict())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return dict(model=get_model_state_dict(model, options=options),
-                optimizer=get_optimizer_state_dict(model, opt, options=options))
+    return dict(
+        model=get_model_state_dict(model, options=options),
+        optimizer=get_optimizer_state_dict(model, opt, options=options),
+    )
 
 
 def load_full_state(model, opt, state, args) -> None:
@@ -389,8 +443,13 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     if args.fsdp:
         model = shard(model, args)  # before the optimizer: its parameters become sharded DTensors
     if args.cuda_graph:  # a tensor learning rate: set on the device between replays
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device), betas=(0.9, 0.95),
-                                weight_decay=0.0, capturable=True)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=torch.tensor(args.lr, device=device),
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            capturable=True,
+        )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
@@ -410,7 +469,9 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     progress = _progress(args, rank, start, name)
     tokens_per_step = args.batch_size * args.seq_len
     tick, last_logged = time.perf_counter(), start
-    graphed = GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
+    graphed = (
+        GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
+    )
     for step in range(start, args.steps):
         batch = batch_for_step(source, args, step).chunk(world)[rank].to(device)  # this rank's rows
         if graphed is not None:
@@ -437,9 +498,15 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
-        record = dict(step=done, train_loss=train_loss.item(), grad_norm=grad_norm.item(),
-                      tokens_per_s=(done - last_logged) * tokens_per_step / (now - tick),
-                      peak_mem_mib=peak_memory_mib(device), lr=lr_at(step, args), optimum=optimum)
+        record = dict(
+            step=done,
+            train_loss=train_loss.item(),
+            grad_norm=grad_norm.item(),
+            tokens_per_s=(done - last_logged) * tokens_per_step / (now - tick),
+            peak_mem_mib=peak_memory_mib(device),
+            lr=lr_at(step, args),
+            optimum=optimum,
+        )
         tick, last_logged = now, done
         if (rank == 0 or every_rank_runs_model) and (done % args.eval_every == 0 or done == args.steps):
             record.update(evaluate(model, val_batches, args, device))
@@ -487,7 +554,11 @@ def load_log(path: Path) -> list[dict]:
 
 def make_report(out: Path, arms, seed: int, command: str) -> None:
     """Loss curves, gain plot, h_res heatmap and a Markdown table from the logs in ``out``."""
-    logs = {arm: load_log(out / f"{run_name(arm, seed)}.jsonl") for arm in arms if (out / f"{run_name(arm, seed)}.jsonl").exists()}
+    logs = {
+        arm: load_log(out / f"{run_name(arm, seed)}.jsonl")
+        for arm in arms
+        if (out / f"{run_name(arm, seed)}.jsonl").exists()
+    }
     write_summary(out, logs, command)
     try:
         import matplotlib
@@ -514,15 +585,24 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
     if optimum is not None:
         lines.append(f"Optimum (entropy of the synthetic source over the window): {optimum:.4f} nats/token")
         lines.append("")
-    lines.append("| arm | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) | max composite gain fwd / bwd |")
+    lines.append(
+        "| arm | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) | max composite gain fwd / bwd |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for arm, rs in logs.items():
         val = _final(rs, "val_loss")
         gap = f"{val - optimum:.4f}" if optimum is not None else "n/a"
         speed = sorted(r["tokens_per_s"] for r in rs)[len(rs) // 2]  # median over logged intervals
         gains = [r["gain"] for r in rs if "gain" in r]
-        gain = f"{max(gains[-1]['composite_forward']):.3g} / {max(gains[-1]['composite_backward']):.3g}" if gains else "n/a"
-        lines.append(f"| {arm} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} | {_final(rs, 'peak_mem_mib'):.0f} | {gain} |")
+        gain = (
+            f"{max(gains[-1]['composite_forward']):.3g} / {max(gains[-1]['composite_backward']):.3g}"
+            if gains
+            else "n/a"
+        )
+        lines.append(
+            f"| {arm} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} "
+            f"| {_final(rs, 'peak_mem_mib'):.0f} | {gain} |"
+        )
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -530,15 +610,23 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"CPU ({cpu}, {torch.get_num_threads()} threads), torch {torch.__version__}"
 
 
 def plot_losses(plt, logs, path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm, rs in logs.items():
-        line, = ax.plot([r["step"] for r in rs], [r["train_loss"] for r in rs], alpha=0.35, lw=1)
+        (line,) = ax.plot([r["step"] for r in rs], [r["train_loss"] for r in rs], alpha=0.35, lw=1)
         ev = [r for r in rs if "val_loss" in r]
-        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(), ms=3, label=f"{arm} (val)")
+        ax.plot(
+            [r["step"] for r in ev],
+            [r["val_loss"] for r in ev],
+            "o-",
+            color=line.get_color(),
+            ms=3,
+            label=f"{arm} (val)",
+        )
     optimum = next((r["optimum"] for rs in logs.values() for r in rs if r.get("optimum") is not None), None)
     if optimum is not None:
         ax.axhline(optimum, color="k", ls="--", lw=1, label=f"optimum {optimum:.3f}")
@@ -558,9 +646,11 @@ def plot_gains(plt, logs, path):
         gain = [r["gain"] for r in logs[arm] if "gain" in r][-1]
         layers = range(len(gain["forward"]))
         for ax, prefix in zip(axes, ("", "composite_")):
-            line, = ax.plot(layers, gain[prefix + "forward"], "-", label=f"{arm} forward")
+            (line,) = ax.plot(layers, gain[prefix + "forward"], "-", label=f"{arm} forward")
             ax.plot(layers, gain[prefix + "backward"], "--", color=line.get_color(), label=f"{arm} backward")
-    axes[0].set(title="Single-layer h_res", xlabel="hyper-connection (layer)", ylabel="Amax gain magnitude", yscale="log")
+    axes[0].set(
+        title="Single-layer h_res", xlabel="hyper-connection (layer)", ylabel="Amax gain magnitude", yscale="log"
+    )
     axes[1].set(title="Composite h_res[l] ... h_res[0]", xlabel="hyper-connection (layer)")
     axes[1].legend()
     fig.tight_layout()
@@ -569,8 +659,11 @@ def plot_gains(plt, logs, path):
 
 
 def plot_h_res(plt, out, arms, seed, path):
-    mats = {a: json.loads((out / f"{run_name(a, seed)}_h_res.json").read_text()) for a in arms
-            if (out / f"{run_name(a, seed)}_h_res.json").exists()}
+    mats = {
+        a: json.loads((out / f"{run_name(a, seed)}_h_res.json").read_text())
+        for a in arms
+        if (out / f"{run_name(a, seed)}_h_res.json").exists()
+    }
     if not mats:
         return
     cols = max(len(m) for m in mats.values())
@@ -614,20 +707,39 @@ def parse_args(argv=None):
     p.add_argument("--report", metavar="DIR", help="only redraw the plots and table from the logs in DIR")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "vocab", "branching",
-                 "eval_every", "eval_batches"):
+    for name in (
+        "dim",
+        "layers",
+        "heads",
+        "seq_len",
+        "batch_size",
+        "steps",
+        "vocab",
+        "branching",
+        "eval_every",
+        "eval_batches",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset")
     p.add_argument("--lr", type=float, help="override the preset")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="autocast dtype (override the preset)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard with FSDP2 (one unit per block; bf16/fp16 parameters, fp32 reduction) under torchrun")
-    p.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in the backward (torch.utils.checkpoint)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="capture the training step in a CUDA graph and replay it (one GPU, fused loss)")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard with FSDP2 (one unit per block; bf16/fp16 parameters, fp32 reduction) under torchrun",
+    )
+    p.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute each block's activations in the backward (torch.utils.checkpoint)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the training step in a CUDA graph and replay it (one GPU, fused loss)",
+    )
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -636,7 +748,18 @@ def parse_args(argv=None):
         p.error(f"--streams must be >= 1, got {args.streams}")
     if args.text and not Path(args.text).is_file():
         p.error(f"--text: no such file: {args.text}")
-    for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every"):
+    for name in (
+        "dim",
+        "layers",
+        "heads",
+        "seq_len",
+        "batch_size",
+        "steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "checkpoint_every",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dim % args.heads:
@@ -672,11 +795,15 @@ def main(argv=None) -> list[Path]:
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     source = make_source(args)
     if rank == 0 and source.optimum(args.seq_len) is not None:
-        print(f"synthetic source: vocab {source.vocab}, optimum {source.optimum(args.seq_len):.4f} nats/token "
-              f"(uniform guess {math.log(source.vocab):.4f})")
+        print(
+            f"synthetic source: vocab {source.vocab}, optimum {source.optimum(args.seq_len):.4f} nats/token "
+            f"(uniform guess {math.log(source.vocab):.4f})"
+        )
     arms = ARMS if args.compare else (args.residual,)
     if rank == 0:  # what produced the logs, for reports redrawn later with --report
-        (Path(args.out_dir) / "run.json").write_text(json.dumps(dict(command=command, hardware=hardware(), world_size=world)))
+        (Path(args.out_dir) / "run.json").write_text(
+            json.dumps(dict(command=command, hardware=hardware(), world_size=world))
+        )
     logs = [train(arm, args, source, device, rank, world) for arm in arms]
     if rank == 0:
         make_report(Path(args.out_dir), arms, args.seed, command)

@@ -23,9 +23,18 @@ from mhc.recompute import recompute_streams
 __version__ = "0.1.0"
 
 __all__ = [
-    "FusedMHC", "sinkhorn",
-    "HyperConnection", "LaneMixer", "StreamCollapse", "StreamExpand", "expand_streams", "reduce_streams",
-    "recompute_streams", "checkpoint_layers", "checkpoint_policy",
-    "LinearCrossEntropy", "linear_cross_entropy",
+    "FusedMHC",
+    "sinkhorn",
+    "HyperConnection",
+    "LaneMixer",
+    "StreamCollapse",
+    "StreamExpand",
+    "expand_streams",
+    "reduce_streams",
+    "recompute_streams",
+    "checkpoint_layers",
+    "checkpoint_policy",
+    "LinearCrossEntropy",
+    "linear_cross_entropy",
     "__version__",
 ]

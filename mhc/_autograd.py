@@ -5,7 +5,8 @@ A backward run with ``create_graph=True`` (``torch.autograd.grad(..., create_gra
 gradient penalty, Hessian-vector products) runs with grad mode on. The Triton kernels' gradients
 (and the fused loss's chunked PyTorch backward) carry no autograd graph, so a second derivative
 through them would silently be zero: every such Function calls
-:func:`refuse_double_backward` first and raises instead. The Sinkhorn (:class:`mhc.layer.SinkhornFunction`) supports double backward by
+:func:`refuse_double_backward` first and raises instead. The Sinkhorn
+(:class:`mhc.layer.SinkhornFunction`) supports double backward by
 recomputing its gradient with the PyTorch reference there; the ``"torch"`` paths of every layer
 support it. ``docs/inputs.md`` lists them.
 """

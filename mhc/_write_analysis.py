@@ -105,9 +105,7 @@ def _cached(analysis):
 def installed() -> bool:
     """Whether PyTorch's write analysis goes through the cache."""
     module = _module()
-    return module is not None and any(
-        hasattr(getattr(module, name, None), "mhc_uncached") for name in _ANALYSES
-    )
+    return module is not None and any(hasattr(getattr(module, name, None), "mhc_uncached") for name in _ANALYSES)
 
 
 def _module():

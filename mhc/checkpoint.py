@@ -82,8 +82,9 @@ def checkpoint_policy(save: Iterable[str] = (), otherwise: Callable | None = Non
     return policy
 
 
-def checkpoint_layers(layers: Sequence[Callable], x: torch.Tensor, *args, every: int = 1,
-                      context_fn: Callable | None = None, **kwargs):
+def checkpoint_layers(
+    layers: Sequence[Callable], x: torch.Tensor, *args, every: int = 1, context_fn: Callable | None = None, **kwargs
+):
     """``x = layer(x, *args, **kwargs)`` for each of ``layers`` in turn, ``every`` consecutive
     layers per non-reentrant checkpoint region (the extra arguments go to every layer: masks,
     position embeddings).
@@ -108,7 +109,7 @@ def checkpoint_layers(layers: Sequence[Callable], x: torch.Tensor, *args, every:
             raise TypeError(f"layers[{i}] must be callable, got {type(layer).__name__}")
     extra = {} if context_fn is None else {"context_fn": context_fn}
     for first in range(0, len(layers), every):
-        group = layers[first:first + every]
+        group = layers[first : first + every]
         if torch.is_grad_enabled():
             x = checkpoint(_run_group, group, x, *args, use_reentrant=False, **extra, **kwargs)
         else:

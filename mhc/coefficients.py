@@ -93,8 +93,16 @@ class DynamicMHC:
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
         (:class:`mhc.mixing_ops.MHCPreMixFunction`). The other sources return it either way."""
-        outputs = MHCPreMixFunction.apply(x, *self.fused_parameters(site), site.sinkhorn_iters, site.backward,
-                                          site.rms_eps, site.hc_eps, with_h_pre, *function_args(plan))
+        outputs = MHCPreMixFunction.apply(
+            x,
+            *self.fused_parameters(site),
+            site.sinkhorn_iters,
+            site.backward,
+            site.rms_eps,
+            site.hc_eps,
+            with_h_pre,
+            *function_args(plan),
+        )
         return function_outputs(plan, outputs)
 
     def fused_parameters(self, site):
@@ -128,7 +136,7 @@ class DynamicHC:
         T = math.prod(x.shape[:-2])
         with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
             coefficients = self.reference(site, x)
-        h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2:]).float() for c in coefficients)
+        h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2 :]).float() for c in coefficients)
         x_in, x_pass = function_outputs(plan, PreMixFunction.apply(x, h_pre, *function_args(plan)))
         return x_in, h_pre, h_post, h_res, x_pass
 

@@ -11,12 +11,11 @@ import torch
 from torch import nn
 
 from mhc import reference
-from mhc._checks import BACKENDS, FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
+from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
 from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
 
 __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
-
 
 
 def _kernels():
@@ -96,8 +95,13 @@ def sinkhorn_launchers():
     k = _kernels()
     # the backwards without argument checks: autograd hands them what their forward saved and a
     # gradient of the output's shape, dtype and device
-    return (k.sinkhorn_fwd, k.sinkhorn.sinkhorn_bwd_unchecked, k.sinkhorn_implicit.sinkhorn_implicit_bwd_unchecked,
-            k.sinkhorn_eps_fwd, k.sinkhorn_eps.sinkhorn_eps_bwd_unchecked)
+    return (
+        k.sinkhorn_fwd,
+        k.sinkhorn.sinkhorn_bwd_unchecked,
+        k.sinkhorn_implicit.sinkhorn_implicit_bwd_unchecked,
+        k.sinkhorn_eps_fwd,
+        k.sinkhorn_eps.sinkhorn_eps_bwd_unchecked,
+    )
 
 
 def sinkhorn_bwd_launch(saved: torch.Tensor, grad_out: torch.Tensor, iters: int, backward: str, eps: float):

@@ -57,8 +57,7 @@ def _check_inputs(input, weight, target, bias, reduction, ignore_index, backend)
             f"{tuple(target.shape)} (input {tuple(input.shape)})"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"linear_bias must have shape [V] = [{weight.shape[0]}], got "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(f"linear_bias must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     for name, t in (("linear_weight", weight), ("linear_bias", bias)):
@@ -79,8 +78,7 @@ def _check_inputs(input, weight, target, bias, reduction, ignore_index, backend)
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def _check_number(name: str, value, *, low: float, high: float = math.inf,
-                  low_open: bool = False) -> float:
+def _check_number(name: str, value, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
     """A finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
@@ -92,23 +90,22 @@ def _check_number(name: str, value, *, low: float, high: float = math.inf,
     return value
 
 
-def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square_scale, softcap,
-                        return_z_loss):
+def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square_scale, softcap, return_z_loss):
     """Validates the options beyond plain cross-entropy; returns them as floats."""
     if class_weight is not None:
         if not isinstance(class_weight, torch.Tensor):
-            raise TypeError(f"weight must be a torch.Tensor or None, got "
-                            f"{type(class_weight).__name__}")
+            raise TypeError(f"weight must be a torch.Tensor or None, got {type(class_weight).__name__}")
         if not class_weight.is_floating_point():
             raise TypeError(f"weight must be a floating-point tensor, got {class_weight.dtype}")
         if tuple(class_weight.shape) != (vocab,):
-            raise ValueError(f"weight (class weights) must have shape [V] = [{vocab}], got "
-                             f"{tuple(class_weight.shape)}")
+            raise ValueError(f"weight (class weights) must have shape [V] = [{vocab}], got {tuple(class_weight.shape)}")
         if class_weight.device != device:
             raise ValueError(f"weight is on {class_weight.device}, input on {device}")
         if class_weight.requires_grad and torch.is_grad_enabled():
-            raise ValueError("weight (class weights) requires grad: the loss is not differentiable with "
-                             "respect to the class weights (neither is F.cross_entropy); pass weight.detach()")
+            raise ValueError(
+                "weight (class weights) requires grad: the loss is not differentiable with "
+                "respect to the class weights (neither is F.cross_entropy); pass weight.detach()"
+            )
     label_smoothing = _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
     lse_square_scale = _check_number("lse_square_scale", lse_square_scale, low=0.0)
     if softcap is not None:
@@ -131,10 +128,7 @@ def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
     def raise_if_bad():
         if any_bad():
             first = target[bad][0].item()
-            raise ValueError(
-                f"target holds class {first}, outside [0, {vocab}) and not ignore_index "
-                f"({ignore_index})"
-            )
+            raise ValueError(f"target holds class {first}, outside [0, {vocab}) and not ignore_index ({ignore_index})")
 
     return raise_if_bad
 
@@ -146,8 +140,9 @@ def _resolve_backend(input: torch.Tensor, backend: str) -> str:
         return "triton" if input.is_cuda and input.dtype in KERNEL_DTYPES else "torch"
     if backend == "triton":
         if input.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the Triton kernels take float16, bfloat16 or float32, got "
-                             f"{input.dtype}; use backend='torch'")
+            raise ValueError(
+                f"the Triton kernels take float16, bfloat16 or float32, got {input.dtype}; use backend='torch'"
+            )
         _kernels().check_device(input)
     return backend
 
@@ -179,8 +174,7 @@ def _target_in_chunk(target, c0, c1):
     return inside, torch.where(inside, target - c0, 0)
 
 
-def torch_lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False,
-                      softcap=None):
+def torch_lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, softcap=None):
     """Per row: log-sum-exp of the (soft-capped) logits, the target's logit (0 for out-of-range
     targets) and with ``smoothing`` the class-weighted logit sum (None without)."""
     compute = _compute_dtype(x.dtype)
@@ -202,9 +196,23 @@ def torch_lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=F
     return lse, target_logit, smooth_sum
 
 
-def torch_grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
-                        need_input, need_weight, need_bias, *, class_weight=None, softcap=None,
-                        capturable=False):
+def torch_grad_backward(
+    x,
+    weight,
+    bias,
+    target,
+    lse,
+    prob_scale,
+    target_scale,
+    smooth_scale,
+    need_input,
+    need_weight,
+    need_bias,
+    *,
+    class_weight=None,
+    softcap=None,
+    capturable=False,
+):
     """Gradients for x, weight and bias (None where not needed); the logits' gradient is
     ``prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight`` per row.
     No host reads (``capturable`` changes nothing here)."""
@@ -294,8 +302,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not options.capturable:
             check_targets = _target_check(target, weight.shape[0], options.ignore_index)
         lse, target_logit, smooth_sum = lse_forward(
-            x, weight, bias, target, class_weight=class_weight, smoothing=smoothing,
-            softcap=options.softcap)
+            x, weight, bias, target, class_weight=class_weight, smoothing=smoothing, softcap=options.softcap
+        )
         if not options.capturable:
             check_targets()  # before the class weights are indexed by target
         valid = target != options.ignore_index
@@ -321,7 +329,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
         refuse_double_backward(
-            "linear_cross_entropy", "F.cross_entropy(F.linear(input, linear_weight), target) has one")
+            "linear_cross_entropy", "F.cross_entropy(F.linear(input, linear_weight), target) has one"
+        )
         x, weight, bias, target, class_weight, lse, target_weight, valid = ctx.saved_tensors
         options = ctx.options
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -346,9 +355,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             prob_scale = prob_scale + grad_z * (2 * options.lse_square_scale) * lse
         _, grad_backward = _passes(ctx.backend)
         grad_x, grad_w, grad_b = grad_backward(
-            x, weight, bias, target, lse, prob_scale.contiguous(), target_scale.contiguous(),
-            smooth_scale, need_x, need_w, need_b and bias is not None,
-            class_weight=class_weight, softcap=options.softcap, capturable=options.capturable,
+            x,
+            weight,
+            bias,
+            target,
+            lse,
+            prob_scale.contiguous(),
+            target_scale.contiguous(),
+            smooth_scale,
+            need_x,
+            need_w,
+            need_b and bias is not None,
+            class_weight=class_weight,
+            softcap=options.softcap,
+            capturable=options.capturable,
         )
         return grad_x, grad_w, grad_b, None, None, None, None
 
@@ -356,15 +376,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _autocast(device_type, *tensors):
     """Cast floating fp16 / bf16 / fp32 tensors to the autocast dtype, as ``F.linear`` would."""
     dtype = torch.get_autocast_dtype(device_type)
-    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in KERNEL_DTYPES else t
-            for t in tensors]
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in KERNEL_DTYPES else t for t in tensors]
 
 
 @torch.compiler.disable
 def _apply(x, weight, bias, target, class_weight, options, backend):
     # host-side chunk loops and a host sync: torch.compile runs this op eagerly (a graph break)
-    return LinearCrossEntropyFunction.apply(x, weight, bias, target, class_weight, options,
-                                            backend)
+    return LinearCrossEntropyFunction.apply(x, weight, bias, target, class_weight, options, backend)
 
 
 def linear_cross_entropy(
@@ -438,7 +456,8 @@ def linear_cross_entropy(
     _check_inputs(input, linear_weight, target, linear_bias, reduction, ignore_index, backend)
     vocab, dim = linear_weight.shape
     label_smoothing, lse_square_scale, softcap = _check_loss_options(
-        weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss)
+        weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss
+    )
     backend = _resolve_backend(input, backend)
     x = input.reshape(target.numel(), dim).contiguous()
     t = target.reshape(-1).long()
@@ -447,8 +466,7 @@ def linear_cross_entropy(
         raise TypeError(f"capturable must be a bool, got {type(capturable).__name__}")
     options = LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale, softcap, capturable)
     with torch.autocast(device_type=device_type, enabled=False):
-        loss, z_loss = _apply(x, linear_weight.contiguous(), linear_bias, t, class_weight, options,
-                              backend)
+        loss, z_loss = _apply(x, linear_weight.contiguous(), linear_bias, t, class_weight, options, backend)
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
     return (loss, z_loss) if return_z_loss else loss
@@ -464,12 +482,24 @@ class LinearCrossEntropy(nn.Module):
     ``nn.CrossEntropyLoss``. ``forward`` returns ``(loss, z_loss)`` with ``return_z_loss``.
     """
 
-    def __init__(self, in_features: int, num_classes: int, *, bias: bool = False,
-                 weight: torch.Tensor | None = None, reduction: str = "mean",
-                 ignore_index: int = DEFAULT_IGNORE_INDEX, label_smoothing: float = 0.0,
-                 lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_z_loss: bool = False, backend: str = "auto", capturable: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        bias: bool = False,
+        weight: torch.Tensor | None = None,
+        reduction: str = "mean",
+        ignore_index: int = DEFAULT_IGNORE_INDEX,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        return_z_loss: bool = False,
+        backend: str = "auto",
+        capturable: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -478,8 +508,14 @@ class LinearCrossEntropy(nn.Module):
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
         self.label_smoothing, self.lse_square_scale, self.softcap = _check_loss_options(
-            weight, num_classes, weight.device if weight is not None else None, label_smoothing,
-            lse_square_scale, softcap, return_z_loss)
+            weight,
+            num_classes,
+            weight.device if weight is not None else None,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+            return_z_loss,
+        )
         self.linear = nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
         self.register_buffer("weight", weight)
         self.reduction = reduction
@@ -490,10 +526,18 @@ class LinearCrossEntropy(nn.Module):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return linear_cross_entropy(
-            input, self.linear.weight, target, linear_bias=self.linear.bias, weight=self.weight,
-            reduction=self.reduction, ignore_index=self.ignore_index,
-            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, return_z_loss=self.return_z_loss, backend=self.backend,
+            input,
+            self.linear.weight,
+            target,
+            linear_bias=self.linear.bias,
+            weight=self.weight,
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap,
+            return_z_loss=self.return_z_loss,
+            backend=self.backend,
             capturable=self.capturable,
         )
 

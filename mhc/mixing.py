@@ -26,8 +26,14 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
-from mhc._checks import (MAX_STREAMS, check_floating, check_operand, check_same_device, check_settings,
-                         check_streams_shape)
+from mhc._checks import (
+    MAX_STREAMS,
+    check_floating,
+    check_operand,
+    check_same_device,
+    check_settings,
+    check_streams_shape,
+)
 from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
@@ -115,8 +121,9 @@ class StreamExpand(nn.Module):
         return expand_streams(h, self.n_streams, self.embedding)
 
 
-def collapse_weights(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float,
-                     eps: float = 0.0) -> torch.Tensor:
+def collapse_weights(
+    x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float, eps: float = 0.0
+) -> torch.Tensor:
     """``h = sigmoid(a * (v @ phi) / RMS(v) + b) + eps``, ``[..., n]`` in fp32 (fp64 for fp64 inputs),
     for streams ``x [..., n, dim]`` flattened to ``v [..., n*dim]``; ``phi [n*dim, n]``."""
     dtype = coefficient_dtype(x, phi)
@@ -124,8 +131,15 @@ def collapse_weights(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: tor
     return torch.sigmoid(a.to(dtype) * ((v @ phi.to(dtype)) * rms_inverse(v, rms_eps)) + b.to(dtype)) + eps
 
 
-def stream_collapse(x: torch.Tensor, phi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rms_eps: float = DEFAULT_RMS_EPS,
-                    eps: float = 0.0, backend: str = "auto") -> torch.Tensor:
+def stream_collapse(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rms_eps: float = DEFAULT_RMS_EPS,
+    eps: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Learned per-token collapse of the streams, DeepSeek-V4's head: ``x [..., n, dim] -> [..., dim]``,
     ``out = sum_s h[..., s] x[..., s, :]`` with ``h`` from :func:`collapse_weights`; ``phi [n*dim, n]``,
     ``a [1]`` (or 0-d), ``b [n]``, any float dtype, on ``x``'s device.
@@ -157,8 +171,9 @@ class StreamCollapse(nn.Module):
     ``weights(x) -> [..., n]`` (fp32). See :func:`stream_collapse` for the paths.
     """
 
-    def __init__(self, dim: int, n_streams: int, rms_eps: float = DEFAULT_RMS_EPS, eps: float = 0.0,
-                 backend: str = "auto"):
+    def __init__(
+        self, dim: int, n_streams: int, rms_eps: float = DEFAULT_RMS_EPS, eps: float = 0.0, backend: str = "auto"
+    ):
         super().__init__()
         self.dim = _positive_int(dim, "dim")
         self.n_streams = n = _positive_int(n_streams, "n_streams")
@@ -182,25 +197,33 @@ class StreamCollapse(nn.Module):
         return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")
 
 
-def _packed_from_separate(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                          error_msgs) -> None:
+def _packed_from_separate(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     """Accept checkpoints written while the gates and biases were separate parameters
     (``a_pre, a_post, a_res`` of shape ``[1]`` or 0-d; ``b_pre [n], b_post [n], b_res [n, n]``):
     they load into ``alpha [3]`` and ``bias [2n + n*n]``. A part of the wrong shape is reported
     as ``load_state_dict`` reports a size mismatch, and its packed parameter is left as it is, even
     where the parts' sizes add up to the packed parameter's."""
     n = module.n_streams
-    layouts = (("alpha", {"a_pre": ((), (1,)), "a_post": ((), (1,)), "a_res": ((), (1,))}),
-               ("bias", {"b_pre": ((n,),), "b_post": ((n,),), "b_res": ((n, n),)}))
+    layouts = (
+        ("alpha", {"a_pre": ((), (1,)), "a_post": ((), (1,)), "a_res": ((), (1,))}),
+        ("bias", {"b_pre": ((n,),), "b_post": ((n,),), "b_res": ((n, n),)}),
+    )
     for packed, parts in layouts:
         keys = [prefix + name for name in parts]
         if prefix + packed in state_dict or not all(isinstance(state_dict.get(k), torch.Tensor) for k in keys):
             continue
-        wrong = [(k, tuple(state_dict[k].shape), shapes[-1]) for k, shapes in zip(keys, parts.values())
-                 if tuple(state_dict[k].shape) not in shapes]
+        wrong = [
+            (k, tuple(state_dict[k].shape), shapes[-1])
+            for k, shapes in zip(keys, parts.values())
+            if tuple(state_dict[k].shape) not in shapes
+        ]
         for key, got, want in wrong:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {list(got)} from checkpoint, "
-                              f"the shape in current model is {list(want)} (packed into {prefix + packed})")
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {list(got)} from checkpoint, "
+                f"the shape in current model is {list(want)} (packed into {prefix + packed})"
+            )
         if not wrong:
             state_dict[prefix + packed] = torch.cat([state_dict.pop(k).reshape(-1) for k in keys])
 
@@ -447,7 +470,7 @@ class LaneMixer(nn.Module):
 
 @dataclass
 class GainReport:
-    """"Amax gain magnitude" (paper Fig. 3), averaged over tokens, for ``L`` layers.
+    """ "Amax gain magnitude" (paper Fig. 3), averaged over tokens, for ``L`` layers.
 
     ``forward[l]`` / ``backward[l]``: max absolute row / column sum of layer ``l``'s ``h_res``.
     ``composite_forward[l]`` / ``composite_backward[l]``: the same for the product
@@ -471,8 +494,10 @@ def amax_gain(h_res: Sequence[torch.Tensor]) -> GainReport:
     ``h_res``: a list or tuple of ``L >= 1`` real tensors of one shape ``[..., n, n]`` (``n >= 1``,
     at least one token) on one device."""
     if isinstance(h_res, torch.Tensor) or not isinstance(h_res, Sequence):
-        raise TypeError(f"h_res must be a sequence (list, tuple) of per-layer tensors, got {type(h_res).__name__} "
-                        f"(layers stacked in one tensor: pass list(h_res))")
+        raise TypeError(
+            f"h_res must be a sequence (list, tuple) of per-layer tensors, got {type(h_res).__name__} "
+            f"(layers stacked in one tensor: pass list(h_res))"
+        )
     if len(h_res) == 0:
         raise ValueError("h_res must hold at least one layer's matrices")
     for i, h in enumerate(h_res):
@@ -483,8 +508,10 @@ def amax_gain(h_res: Sequence[torch.Tensor]) -> GainReport:
     shape, device = h_res[0].shape, h_res[0].device
     for i, h in enumerate(h_res):
         if h.shape != shape or h.dim() < 2 or h.shape[-1] != h.shape[-2]:
-            raise ValueError(f"every h_res must have the shape [..., n, n] of the first, {tuple(shape)}; "
-                             f"got {tuple(h.shape)} at h_res[{i}]")
+            raise ValueError(
+                f"every h_res must have the shape [..., n, n] of the first, {tuple(shape)}; "
+                f"got {tuple(h.shape)} at h_res[{i}]"
+            )
         check_same_device(h, device, f"h_res[{i}]", "h_res[0]")
     if shape[-1] == 0 or math.prod(shape[:-2]) == 0:
         raise ValueError(f"h_res must hold at least one token's [n, n] matrix with n >= 1, got shape {tuple(shape)}")

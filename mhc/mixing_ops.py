@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import torch
 
 from mhc._autograd import refuse_double_backward
+from mhc._checks import MAX_STREAMS, check_settings
 from mhc._compat import dispatch_mode_active
 from mhc._library import kernel_op
-from mhc._checks import MAX_STREAMS, check_settings
 from mhc.layer import _kernels, sinkhorn_bwd_launch
 from mhc.rebuild import steps_of
 
@@ -63,8 +63,13 @@ def _stream_mix_bwd_fake(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
 
 @kernel_op("mhc::stream_mix_bwd", _stream_mix_bwd_fake)
 def _stream_mix_bwd_op(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
-    grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None, need_grad_x: bool,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor | None,
+    b: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_x_acc: torch.Tensor | None,
+    need_grad_x: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     outs = _kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
     return tuple(x.new_empty((0,)) if t is None else t for t in outs)
@@ -76,32 +81,49 @@ def _coefficients_fwd_fake(x, phi, alpha, bias, iters, eps, hc_eps):
     T = math.prod(lead)
     f32 = dict(dtype=torch.float32)
     return (
-        x.new_empty((*lead, d)), x.new_empty((T, 2 * n + n * n), **f32), x.new_empty((T,), **f32),
-        x.new_empty((T, n), **f32), x.new_empty((T, n), **f32),
-        x.new_empty((T, n, n), **f32), x.new_empty((T, n, n), **f32),
+        x.new_empty((*lead, d)),
+        x.new_empty((T, 2 * n + n * n), **f32),
+        x.new_empty((T,), **f32),
+        x.new_empty((T, n), **f32),
+        x.new_empty((T, n), **f32),
+        x.new_empty((T, n, n), **f32),
+        x.new_empty((T, n, n), **f32),
     )
 
 
 @kernel_op("mhc::mhc_coefficients_fwd", _coefficients_fwd_fake)
 def _coefficients_fwd_op(
-    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int, eps: float,
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    iters: int,
+    eps: float,
     hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
-def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc,
-                           hc_eps):
+def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
     # the parameters' gradients, packed [vec(dphi) | dbias | dalpha], are fp32 whatever their dtype
     return torch.empty_like(x), x.new_empty((phi.numel() + p.shape[1] + 3,), dtype=torch.float32)
 
 
 @kernel_op("mhc::mhc_coefficients_bwd", _coefficients_bwd_fake)
 def _coefficients_bwd_op(
-    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor, r: torch.Tensor,
-    h_pre: torch.Tensor, h_post: torch.Tensor,
-    dh_pre: torch.Tensor | None, dh_post: torch.Tensor, dz_res: torch.Tensor, grad_x_in: torch.Tensor,
-    grad_x_acc: torch.Tensor | None, hc_eps: float,
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    p: torch.Tensor,
+    r: torch.Tensor,
+    h_pre: torch.Tensor,
+    h_post: torch.Tensor,
+    dh_pre: torch.Tensor | None,
+    dh_post: torch.Tensor,
+    dz_res: torch.Tensor,
+    grad_x_in: torch.Tensor,
+    grad_x_acc: torch.Tensor | None,
+    hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _kernels().mhc_coefficients.coefficients_bwd_packed(
         x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
@@ -143,11 +165,13 @@ def _launchers():
     if _EAGER is None:
         k = _kernels()  # the launches without the public launchers' argument checks (host time)
         _EAGER = SimpleNamespace(
-            stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked, stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
+            stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked,
+            stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
             coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked,
             coefficients_bwd=k.mhc_coefficients.coefficients_bwd_packed,
             stream_recompute=lambda x, h_res, y, h_post, after: k.stream_mix.stream_mix_fwd_unchecked(
-                x, h_res, y, h_post),
+                x, h_res, y, h_post
+            ),
         )
     return _EAGER
 
@@ -226,7 +250,7 @@ def _rebuild(at, recipe, more_steps: tuple, anchor):
         return at.get(start, steps_of((start, *steps)), fused_mix) if steps else start
     x = start
     for i in range(0, len(steps), 3):
-        x = _launchers().stream_recompute(x, *steps[i:i + 3], anchor)
+        x = _launchers().stream_recompute(x, *steps[i : i + 3], anchor)
     return x
 
 
@@ -291,8 +315,9 @@ def _save_coefficients(ctx, x, params, outputs, settings, at, linked, link, reci
     ctx.settings = settings
     ctx.phi_shape = params[0].shape
     ctx.packed_split = [params[0].numel(), params[2].numel(), 3]  # the kernels' [vec(dphi) | dbias | dalpha]
-    return _save_with_streams(ctx, x, at, linked, link, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved,
-                              *extra)
+    return _save_with_streams(
+        ctx, x, at, linked, link, recipe, *params[:2], p, r, h_pre, h_post, sinkhorn_saved, *extra
+    )
 
 
 def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res):
@@ -330,8 +355,22 @@ class MHCPreMixFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, backward, eps, hc_eps, with_h_pre=True, at=None, linked=False,
-                link=None, *recipe):
+    def forward(
+        ctx,
+        x,
+        phi,
+        alpha,
+        bias,
+        iters,
+        backward,
+        eps,
+        hc_eps,
+        with_h_pre=True,
+        at=None,
+        linked=False,
+        link=None,
+        *recipe,
+    ):
         params = (phi, alpha, bias)
         x = x.contiguous()
         x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
@@ -344,11 +383,23 @@ class MHCPreMixFunction(torch.autograd.Function):
         anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
         (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved), x = _saved_and_streams(ctx, anchor)
         ctx.at = None
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post,
-                                                            grad_h_res)
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
+            ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
+        )
         dx, packed = _launchers().coefficients_bwd(
-            x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
-            grad_x_pass, ctx.settings[3],
+            x,
+            phi,
+            alpha,
+            p,
+            r,
+            h_pre,
+            h_post,
+            grad_h_pre,
+            grad_h_post,
+            dz_res,
+            grad_x_in,
+            grad_x_pass,
+            ctx.settings[3],
         )
         return (dx, *_parameter_grads(ctx, packed), None, None, None, None, None, *_grads_after(ctx, anchor))
 
@@ -371,16 +422,48 @@ class MHCSeamFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, h_post_l, h_res_l, phi, alpha, bias, iters, backward, eps, hc_eps, with_h_pre=True,
-                at=None, linked=False, link=None, next_at=None, keep_next=True, *recipe):
+    def forward(
+        ctx,
+        x,
+        y,
+        h_post_l,
+        h_res_l,
+        phi,
+        alpha,
+        bias,
+        iters,
+        backward,
+        eps,
+        hc_eps,
+        with_h_pre=True,
+        at=None,
+        linked=False,
+        link=None,
+        next_at=None,
+        keep_next=True,
+        *recipe,
+    ):
         params = (phi, alpha, bias)
         run = _launchers()
         x = x.contiguous()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
         kept = (x_next,) if keep_next else ()
-        extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe,
-                                   h_res_l, y, h_post_l, *kept)
+        extra = _save_coefficients(
+            ctx,
+            x,
+            params,
+            outputs,
+            (iters, backward, eps, hc_eps),
+            at,
+            linked,
+            link,
+            recipe,
+            h_res_l,
+            y,
+            h_post_l,
+            *kept,
+        )
         ctx.next_at = next_at
         return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x_next, *extra
 
@@ -399,17 +482,43 @@ class MHCSeamFunction(torch.autograd.Function):
         else:
             x_next = _rebuild(None, recipe, (h_res_l, y, h_post_l), anchor)
         ctx.at = ctx.next_at = None
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(ctx, x_next, h_post, sinkhorn_saved, grad_x_in,
-                                                            grad_h_post, grad_h_res)
+        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
+            ctx, x_next, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
+        )
         run = _launchers()
         dx_next, packed = run.coefficients_bwd(
-            x_next, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in,
-            grad_x_pass, ctx.settings[3],
+            x_next,
+            phi,
+            alpha,
+            p,
+            r,
+            h_pre,
+            h_post,
+            grad_h_pre,
+            grad_h_post,
+            dz_res,
+            grad_x_in,
+            grad_x_pass,
+            ctx.settings[3],
         )
         dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
         after = _grads_after(ctx, anchor)
-        return (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, packed), None, None, None, None, None,
-                *after[:3], None, None, *after[3:])
+        return (
+            dx,
+            dy,
+            dh_post_l,
+            dh_res_l,
+            *_parameter_grads(ctx, packed),
+            None,
+            None,
+            None,
+            None,
+            None,
+            *after[:3],
+            None,
+            None,
+            *after[3:],
+        )
 
 
 # ------------------------------------------------------------------------------ functionals

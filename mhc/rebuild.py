@@ -27,8 +27,17 @@ import contextlib
 
 import torch
 
-__all__ = ["StreamRecompute", "StreamsAt", "Plan", "reference_scope", "note_conversion",
-           "function_args", "function_outputs", "steps_of", "autocast_state"]
+__all__ = [
+    "StreamRecompute",
+    "StreamsAt",
+    "Plan",
+    "reference_scope",
+    "note_conversion",
+    "function_args",
+    "function_outputs",
+    "steps_of",
+    "autocast_state",
+]
 
 
 class StreamsAt:
@@ -51,7 +60,7 @@ class StreamsAt:
             missing.append(known)
             known = known.previous
         x = start if known is None else known.value
-        for at, args in zip(reversed(missing), steps[len(steps) - len(missing):]):
+        for at, args in zip(reversed(missing), steps[len(steps) - len(missing) :]):
             x = step(x, *args)
             at.value = x
         return x
@@ -60,8 +69,12 @@ class StreamsAt:
 def autocast_state(device_type: str) -> dict:
     """The arguments of ``torch.autocast`` that restore the current autocast state of
     ``device_type`` (as ``torch.utils.checkpoint`` replays its forward)."""
-    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
-                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+    return dict(
+        device_type=device_type,
+        enabled=torch.is_autocast_enabled(device_type),
+        dtype=torch.get_autocast_dtype(device_type),
+        cache_enabled=torch.is_autocast_cache_enabled(),
+    )
 
 
 class Plan:
@@ -103,7 +116,7 @@ def function_outputs(plan: Plan | None, outputs, single: bool = False):
 
 def steps_of(recipe) -> list:
     """The steps of a flat recipe (the inverse of :meth:`Plan.recipe` after ``start``)."""
-    return [tuple(recipe[i:i + 3]) for i in range(1, len(recipe), 3)]
+    return [tuple(recipe[i : i + 3]) for i in range(1, len(recipe), 3)]
 
 
 def _saved_tensor_hooks():

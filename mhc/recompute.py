@@ -86,8 +86,11 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
     for site in sites:
         site._recompute = setting
     model._mhc_recompute = setting
-    model._mhc_recompute_hooks = () if setting is None else (
-        model.register_forward_pre_hook(_clear_before), model.register_forward_hook(_clear_after))
+    model._mhc_recompute_hooks = (
+        ()
+        if setting is None
+        else (model.register_forward_pre_hook(_clear_before), model.register_forward_hook(_clear_after))
+    )
     return setting
 
 

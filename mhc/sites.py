@@ -39,9 +39,7 @@ def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
         return "triton" if x.is_cuda and n <= MAX_STREAMS else "torch"
     if backend == "triton":
         if n > MAX_STREAMS:
-            raise ValueError(
-                f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'"
-            )
+            raise ValueError(f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'")
         _kernels().check_device(x)
     return backend
 
@@ -55,7 +53,9 @@ def branch_output(out, shape, device):
             raise ValueError("the branch returned an empty tuple; its first element must be the output tensor")
         out, rest = out[0], tuple(out[1:])
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}")
+        raise TypeError(
+            f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}"
+        )
     if out.shape != shape:
         raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.is_floating_point():
@@ -196,8 +196,18 @@ class FusedFinish:
         site._check_next(next)
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
             return _returned(rest, *next.split(self._post_mix(y, schedule)))
-        args = (x, y, self.h_post, self.h_res, *next.source.fused_parameters(next), next.sinkhorn_iters,
-                next.backward, next.rms_eps, next.hc_eps, False)  # False: no h_pre (MHCPreMixFunction)
+        args = (
+            x,
+            y,
+            self.h_post,
+            self.h_res,
+            *next.source.fused_parameters(next),
+            next.sinkhorn_iters,
+            next.backward,
+            next.rms_eps,
+            next.hc_eps,
+            False,
+        )  # False: no h_pre (MHCPreMixFunction)
         continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
         if schedule is None:
             outputs, next_at = MHCSeamFunction.apply(*args), None

@@ -40,7 +40,8 @@ STEPS = {
     "the package's metadata only": "torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(package, 'model')",
     "dlopen of the package's .so": (
         "import ctypes, zipfile, tempfile; d = tempfile.mkdtemp(); z = zipfile.ZipFile(package);"
-        "so = [n for n in z.namelist() if n.endswith('.so')][0]; z.extractall(d); ctypes.CDLL(d + '/' + so)"),
+        "so = [n for n in z.namelist() if n.endswith('.so')][0]; z.extractall(d); ctypes.CDLL(d + '/' + so)"
+    ),
 }
 
 # the model-container runner on a .so, without the package loader (argv[1] is then the .so)
@@ -87,8 +88,9 @@ VARIANTS = {
 def _run(name, code, package, cases, prefix=(), env=None, native=False):
     start = time.perf_counter()
     python = [sys.executable] if native else [sys.executable, "-X", "faulthandler"]
-    run = subprocess.run([*prefix, *python, "-c", code, package, cases],
-                         capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [*prefix, *python, "-c", code, package, cases], capture_output=True, text=True, timeout=300, env=env
+    )
     print(f"{name}: exit status {run.returncode} ({time.perf_counter() - start:.0f} s)", flush=True)
     if run.returncode != 0 or prefix or native:
         tail = (run.stdout + run.stderr).strip().splitlines()
@@ -138,18 +140,33 @@ def main(out_dir: str) -> None:
     _run("the runner on aot_compile's .so", RUNNER.format(cubin_dir=""), legacy_so, cases)
     # then the native frames of the crash: each crashing load takes most of a minute
     if shutil.which("gdb"):
-        _run("as it is, under gdb", LOAD.format(before="", options=""), package, cases,
-             ("gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args"))
+        _run(
+            "as it is, under gdb",
+            LOAD.format(before="", options=""),
+            package,
+            cases,
+            ("gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args"),
+        )
     else:
         library = _backtrace_library(out_dir)
         if library is None:
             print("no gdb and no C compiler on this machine", flush=True)
         else:
-            _run("as it is, native frames from a preloaded handler", LOAD.format(before="", options=""),
-                 package, cases, env={**os.environ, "LD_PRELOAD": library}, native=True)
+            _run(
+                "as it is, native frames from a preloaded handler",
+                LOAD.format(before="", options=""),
+                package,
+                cases,
+                env={**os.environ, "LD_PRELOAD": library},
+                native=True,
+            )
     for name, step in STEPS.items():
-        _run(name, "import sys, torch\npackage, cases = sys.argv[1], sys.argv[2]\n" + step + "\nprint('ok')",
-             package, cases)
+        _run(
+            name,
+            "import sys, torch\npackage, cases = sys.argv[1], sys.argv[2]\n" + step + "\nprint('ok')",
+            package,
+            cases,
+        )
     for name, (before, options) in VARIANTS.items():
         _run(name, LOAD.format(before=before, options=options), package, cases)
 

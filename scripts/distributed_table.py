@@ -28,13 +28,18 @@ def row(name: str, records, meta, reference, skip: int) -> str:
     diffs = [abs(r["train_loss"] - ref_loss[r["step"]]) for r in records if r["step"] in ref_loss]
     speed = statistics.median(r["tokens_per_s"] for r in records if r["step"] > skip)
     val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), float("nan"))
-    return (f"| {name} | {world} | {records[-1]['train_loss']:.4f} | {val:.4f} | {max(diffs):.2e} | "
-            f"{speed:,.0f} | {speed / world:,.0f} | {max(r['peak_mem_mib'] for r in records):,.0f} |")
+    return (
+        f"| {name} | {world} | {records[-1]['train_loss']:.4f} | {val:.4f} | {max(diffs):.2e} | "
+        f"{speed:,.0f} | {speed / world:,.0f} | {max(r['peak_mem_mib'] for r in records):,.0f} |"
+    )
 
 
 def main(args) -> None:
     reference, _ = load(Path(args.reference), args.arm)
-    print("| run | GPUs | train loss | val loss | max step loss diff to reference | tokens/s | tokens/s per GPU | peak MiB (rank 0) |")
+    print(
+        "| run | GPUs | train loss | val loss | max step loss diff to reference | tokens/s | tokens/s per GPU "
+        "| peak MiB (rank 0) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for run in [args.reference, *args.runs]:
         records, meta = load(Path(run), args.arm)

@@ -74,6 +74,7 @@ def timed_launchers(totals: collections.Counter):
             out = fn(*args)
             totals[name] += time.perf_counter_ns() - t0
             return out
+
         return call
 
     for name, fn in saved[0].items():
@@ -124,9 +125,11 @@ def main():
         for name, ts in times.items():
             ratios = sorted(t / q for t, q in zip(ts, times["plain"]))
             ms = statistics.median(ts)
-            print(f"  {batch * args.seq:6d} tokens {name:>14} {ms:7.2f} ms {statistics.median(ratios):6.3f}x "
-                  f"({ratios[0]:.3f}-{ratios[-1]:.3f}); per site {(ms - plain) / sites * 1e3:6.1f} us over plain",
-                  flush=True)
+            print(
+                f"  {batch * args.seq:6d} tokens {name:>14} {ms:7.2f} ms {statistics.median(ratios):6.3f}x "
+                f"({ratios[0]:.3f}-{ratios[-1]:.3f}); per site {(ms - plain) / sites * 1e3:6.1f} us over plain",
+                flush=True,
+            )
         del steps
         torch.cuda.empty_cache()
         if args.time_launchers:

@@ -94,8 +94,11 @@ def outputs_only_launchers(stub: OutputsOnly | None = None):
 
     # the names of mixing_ops' eager launchers; the coefficient backward's is the packed one
     if stub is None:
-        stub = OutputsOnly(layer._kernels(), sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch,
-                           coefficients_bwd=mhc_coefficients.coefficients_bwd_packed)
+        stub = OutputsOnly(
+            layer._kernels(),
+            sinkhorn_bwd=mixing_ops.sinkhorn_bwd_launch,
+            coefficients_bwd=mhc_coefficients.coefficients_bwd_packed,
+        )
     saved = mixing_ops._launchers(), mixing_ops.sinkhorn_bwd_launch
     mixing_ops._EAGER = stub
     mixing_ops.sinkhorn_bwd_launch = lambda *args: stub._call("sinkhorn_bwd", *args)
@@ -153,14 +156,17 @@ def site_model(dim: int = 64, n: int = 4, tokens: int = 4) -> None:
 
     base = per_call_us(plain, 1000)
     single, in_chain = per_call_us(one_site, 1000), per_call_us(chained, 200) / 8
-    print(f"plain residual {base:.0f} us; a site adds +{single - base:.0f} us, a site of a chain of 8 "
-          f"+{in_chain - base:.0f} us")
+    print(
+        f"plain residual {base:.0f} us; a site adds +{single - base:.0f} us, a site of a chain of 8 "
+        f"+{in_chain - base:.0f} us"
+    )
 
 
 def site_launcher_calls(n: int, dim: int, tokens: int, device="cpu", dtype=torch.float32) -> dict:
     """``{name: call}``: each launcher a site calls, with arguments of a site's shapes."""
     from mhc import layer
-    from mhc.kernels import mhc_coefficients as coefficients, stream_mix
+    from mhc.kernels import mhc_coefficients as coefficients
+    from mhc.kernels import stream_mix
 
     torch.manual_seed(0)
     M = 2 * n + n * n
@@ -174,7 +180,8 @@ def site_launcher_calls(n: int, dim: int, tokens: int, device="cpu", dtype=torch
         "post-mix backward": lambda: stream_mix.stream_mix_bwd_unchecked(x, h_res, y, h_post, grad_x, None, True),
         "Sinkhorn backward": lambda: layer.sinkhorn_bwd_launch(z_res, h_res, 20, "exact", 0.0),
         "coefficient backward": lambda: coefficients.coefficients_bwd_packed(
-            x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, grad_y, grad_x, 0.0),
+            x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, grad_y, grad_x, 0.0
+        ),
     }
 
 
@@ -193,9 +200,8 @@ def launcher_times(n: int = 4, dim: int = 256, tokens: int = 64) -> None:
 
 def fsdp_model(dim: int = 64, layers: int = 8, seq: int = 16) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import weak_scaling
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -220,8 +226,10 @@ def fsdp_model(dim: int = 64, layers: int = 8, seq: int = 16) -> None:
 
     times = {arm: per_call_us(build(arm), 20) for arm in weak_scaling.ARMS}
     sites = 2 * layers
-    print(f"FSDP2 step: plain {times['plain'] / 1e3:.2f} ms; per site: "
-          + ", ".join(f"{arm} +{(times[arm] - times['plain']) / sites:.0f} us" for arm in weak_scaling.ARMS[1:]))
+    print(
+        f"FSDP2 step: plain {times['plain'] / 1e3:.2f} ms; per site: "
+        + ", ".join(f"{arm} +{(times[arm] - times['plain']) / sites:.0f} us" for arm in weak_scaling.ARMS[1:])
+    )
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 
 from host_model import site_launcher_calls  # noqa: E402
+
 from mhc.kernels import _launch  # noqa: E402
 
 
@@ -55,11 +56,15 @@ def one_launch() -> None:
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
     rows = {
         "kernel[grid](...)": lambda: ten_pointers_kernel[grid](*tensors, *scalars, **meta),
-        "mhc launch(), 6 inputs + 4 outputs": lambda: _launch.launch(ten_pointers_kernel, grid, tuple(tensors[:6]),
-                                                                     tuple(tensors[6:]), scalars, meta, "ten"),
-        "compiled launcher, tensors": lambda: run(1, 1, 1, stream, function, packed, None, None, None, *tensors,
-                                                  *scalars, 64),
-        "compiled launcher, ints": lambda: run(1, 1, 1, stream, function, packed, None, None, None, *ints, *scalars, 64),
+        "mhc launch(), 6 inputs + 4 outputs": lambda: _launch.launch(
+            ten_pointers_kernel, grid, tuple(tensors[:6]), tuple(tensors[6:]), scalars, meta, "ten"
+        ),
+        "compiled launcher, tensors": lambda: run(
+            1, 1, 1, stream, function, packed, None, None, None, *tensors, *scalars, 64
+        ),
+        "compiled launcher, ints": lambda: run(
+            1, 1, 1, stream, function, packed, None, None, None, *ints, *scalars, 64
+        ),
         "10 x data_ptr()": lambda: [t.data_ptr() for t in tensors],
         "torch.empty(64)": lambda: torch.empty(64, device="cuda"),
         "current stream": lambda: torch._C._cuda_getCurrentRawStream(0),

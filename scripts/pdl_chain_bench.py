@@ -22,8 +22,9 @@ KERNELS = 10
 
 
 @triton.jit
-def scale_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr, ITERS: tl.constexpr, WAIT: tl.constexpr,
-                 TRIGGER: tl.constexpr):
+def scale_kernel(
+    src_ptr, dst_ptr, numel, BLOCK: tl.constexpr, ITERS: tl.constexpr, WAIT: tl.constexpr, TRIGGER: tl.constexpr
+):
     if WAIT:
         gdc_wait()
     if TRIGGER:
@@ -43,13 +44,16 @@ def chain(buffers, programs: int, mode: str) -> None:
     for k in range(KERNELS):
         src, dst = buffers[k % 2], buffers[(k + 1) % 2]
         scale_kernel[(triton.cdiv(numel, iters * BLOCK),)](
-            src, dst, numel, BLOCK=BLOCK, ITERS=iters, WAIT=mode != "off", TRIGGER=mode == "early", num_warps=4,
-            **pdl)
+            src, dst, numel, BLOCK=BLOCK, ITERS=iters, WAIT=mode != "off", TRIGGER=mode == "early", num_warps=4, **pdl
+        )
 
 
 def main() -> None:
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"{KERNELS} kernels per chain, do_bench medians", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"{KERNELS} kernels per chain, do_bench medians",
+        flush=True,
+    )
     for mib in (8, 33.5):
         numel = int(mib * 2**20 / 2)
         buffers = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
@@ -63,9 +67,12 @@ def main() -> None:
                     chain(buffers, programs, mode)
                 graph_us[mode] = 1e3 * do_bench(graph.replay, warmup=50, rep=300)
                 eager_us[mode] = 1e3 * do_bench(lambda: chain(buffers, programs, mode), warmup=50, rep=300)
-            print(f"{mib:5} MiB, {programs:4} programs: graph off {graph_us['off']:.1f} us, PDL wait "
-                  f"{graph_us['wait']:.1f}, PDL early {graph_us['early']:.1f}; eager off {eager_us['off']:.1f}, "
-                  f"PDL wait {eager_us['wait']:.1f}, PDL early {eager_us['early']:.1f}", flush=True)
+            print(
+                f"{mib:5} MiB, {programs:4} programs: graph off {graph_us['off']:.1f} us, PDL wait "
+                f"{graph_us['wait']:.1f}, PDL early {graph_us['early']:.1f}; eager off {eager_us['off']:.1f}, "
+                f"PDL wait {eager_us['wait']:.1f}, PDL early {eager_us['early']:.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

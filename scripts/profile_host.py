@@ -79,8 +79,10 @@ def main():
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(args.rows)
         kernels, host = launches_per_step(step, 5)
-        print(f"## {arm}, {args.mode}: {wall:.2f} ms per step unprofiled; {kernels:.0f} kernels per step; "
-              f"cProfile over {args.steps} steps (tottime)")
+        print(
+            f"## {arm}, {args.mode}: {wall:.2f} ms per step unprofiled; {kernels:.0f} kernels per step; "
+            f"cProfile over {args.steps} steps (tottime)"
+        )
         print(text.getvalue())
         print(f"### {arm}, {args.mode}: host events per step (torch.profiler, self time)")
         for key, count, us in host:

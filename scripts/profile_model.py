@@ -50,8 +50,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=45)
     p.add_argument("--out", default="profile_model.txt")
     args = p.parse_args()
-    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT {args.model}: "
-             f"{bench.MODELS[args.model]}, CUDA kernel time per step over {args.steps} profiled steps"]
+    lines = [
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT {args.model}: "
+        f"{bench.MODELS[args.model]}, CUDA kernel time per step over {args.steps} profiled steps"
+    ]
     for compiled in (False, True):
         for arm in args.arms:
             ms, calls = kernel_times(arm, bench.MODELS[args.model], compiled, args.steps)

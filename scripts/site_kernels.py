@@ -78,8 +78,10 @@ def main() -> None:
     p.add_argument("--out", default="site_kernels.txt")
     args = p.parse_args()
     copy_gbps = bench.copy_bandwidth()
-    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, n = {args.n}, MLP block fwd + bwd "
-             f"in a CUDA graph; device copy {copy_gbps:.0f} GB/s"]
+    lines = [
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, n = {args.n}, MLP block fwd + bwd "
+        f"in a CUDA graph; device copy {copy_gbps:.0f} GB/s"
+    ]
     print(lines[0], flush=True)
     for dim in args.dims:
         for tokens in args.tokens:
@@ -94,12 +96,14 @@ def main() -> None:
             plain_kernels, mhc_kernels = (kernel_times(graphs[arm][0]) for arm in ("plain", "mhc"))
             site = {k: t - plain_kernels[k] for k, t in mhc_kernels.items() if t - plain_kernels[k] > 0.5}
             site_ms = sum(site.values()) / 1e3
-            row = (f"d={dim:5d} T={tokens:6d}  plain {plain:7.3f} ms  mhc {mhc:7.3f} ms  {ratio:5.3f}x  "
-                   f"site +{mhc - plain:6.3f} ms = {(mhc - plain) / copy_ms:4.2f}x copy ({copy_ms:.3f} ms); "
-                   f"site kernels {site_ms:.3f} ms")
+            row = (
+                f"d={dim:5d} T={tokens:6d}  plain {plain:7.3f} ms  mhc {mhc:7.3f} ms  {ratio:5.3f}x  "
+                f"site +{mhc - plain:6.3f} ms = {(mhc - plain) / copy_ms:4.2f}x copy ({copy_ms:.3f} ms); "
+                f"site kernels {site_ms:.3f} ms"
+            )
             lines.append(row)
             lines += [f"      {t:8.1f} us  {k[:100]}" for k, t in sorted(site.items(), key=lambda kv: -kv[1])]
-            print("\n".join(lines[-1 - len(site):]), flush=True)
+            print("\n".join(lines[-1 - len(site) :]), flush=True)
             del graphs
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -65,12 +65,17 @@ def compile_times():
             return out
 
         x_in, p, r, h_pre, h_post, z_res, h_res = first(
-            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6))
+            "coefficients fwd", lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
+        )
         first("post-mix fwd", lambda: kernels.stream_mix_fwd(x, h_res, y, h_post))
         first("post-mix bwd", lambda: kernels.stream_mix_bwd(x, h_res, y, h_post, torch.randn_like(x)))
         first("sinkhorn bwd", lambda: kernels.sinkhorn_bwd(z_res, torch.randn_like(z_res), 20))
-        first("coefficients bwd", lambda: kernels.coefficients_bwd(
-            x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, y, torch.randn_like(x)))
+        first(
+            "coefficients bwd",
+            lambda: kernels.coefficients_bwd(
+                x, phi, alpha, p, r, h_pre, h_post, None, h_post, z_res, y, torch.randn_like(x)
+            ),
+        )
         print(f"  compile n={n}: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
 
 
@@ -98,8 +103,9 @@ def launch_overhead():
         except Exception as e:
             print(f"  {arm}: skipped ({type(e).__name__})")
             continue
-        x = torch.randn((64, dim) if arm == "plain" else (64, 4, dim), device=dev, dtype=torch.bfloat16,
-                        requires_grad=True)
+        x = torch.randn(
+            (64, dim) if arm == "plain" else (64, 4, dim), device=dev, dtype=torch.bfloat16, requires_grad=True
+        )
         arms[arm] = (module, (lambda m=module, x=x, w=torch.randn_like(x): m(x).backward(w)), 1)
     chain = [HyperConnection(dim, 4, MLP(dim).cuda().to(torch.bfloat16), init="zero").cuda() for _ in range(sites)]
     xc = torch.randn(64, 4, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -126,9 +132,12 @@ def launch_overhead():
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     for arm in arms:
         acc, fresh = med[(arm, False)], med[(arm, True)]
-        print(f"  host time fwd+bwd {arm:>28}: grads accumulating {acc:6.0f} us "
-              f"(+{acc - med[('branch alone', False)]:5.0f}), zero_grad + step {fresh:6.0f} us "
-              f"(+{fresh - med[('branch alone', True)]:5.0f})", flush=True)
+        print(
+            f"  host time fwd+bwd {arm:>28}: grads accumulating {acc:6.0f} us "
+            f"(+{acc - med[('branch alone', False)]:5.0f}), zero_grad + step {fresh:6.0f} us "
+            f"(+{fresh - med[('branch alone', True)]:5.0f})",
+            flush=True,
+        )
 
 
 def _wall_time(step, warmup: int, reps: int) -> float:
@@ -208,8 +217,16 @@ def sweep_projection():
     if 4 < STREAMS <= 8:
         sweep_projection_split()
         return
-    configs = [(64, 64, 4, 3, 8, None), (64, 64, 4, 3, 8, 168), (64, 64, 4, 3, 4, 168), (64, 64, 4, 2, 8, 168),
-               (64, 64, 4, 3, 16, 168), (32, 128, 4, 3, 8, None), (64, 128, 8, 3, 8, None), (64, 64, 4, 2, 4, None)]
+    configs = [
+        (64, 64, 4, 3, 8, None),
+        (64, 64, 4, 3, 8, 168),
+        (64, 64, 4, 3, 4, 168),
+        (64, 64, 4, 2, 8, 168),
+        (64, 64, 4, 3, 16, 168),
+        (32, 128, 4, 3, 8, None),
+        (64, 128, 8, 3, 8, None),
+        (64, 64, 4, 2, 4, None),
+    ]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
     jit = mhc_coefficients.projection_bwd_kernel
     captured = {}
@@ -218,6 +235,7 @@ def sweep_projection():
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 captured["k"] = jit[grid](*args, **kwargs)
+
             return launch
 
     for dim in (4096, 2048, 1024):
@@ -243,7 +261,7 @@ def sweep_projection():
             mhc_coefficients.dx_precision = lambda dtype, n, mode=mode: mode
             _uncached()
             dx, dphi = call()[:2]
-            ms = _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
+            _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
             print(f"    dx {rel(dx, dx32):.3e}, dphi {rel(dphi, dphi32):.3e} from the fp32 path", flush=True)
         mhc_coefficients.dx_precision = precision
 
@@ -256,8 +274,12 @@ def sweep_projection_split():
     tf32 product instead of tf32x3 (run it in a process of its own: it may stop the context)."""
     n, T = STREAMS, 16384
     precision = "tf32" if "tf32" in sys.argv[1:] else "tf32x3"
-    originals = (mhc_coefficients.projection_bwd_config, mhc_coefficients.dphi_bwd_config,
-                 mhc_coefficients.projection_passes, mhc_coefficients.dx_precision)
+    originals = (
+        mhc_coefficients.projection_bwd_config,
+        mhc_coefficients.dphi_bwd_config,
+        mhc_coefficients.projection_passes,
+        mhc_coefficients.dx_precision,
+    )
     jit = mhc_coefficients.projection_bwd_kernel
     captured = []
 
@@ -265,6 +287,7 @@ def sweep_projection_split():
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 captured.append(jit[grid](*args, **kwargs))
+
             return launch
 
     def run(passes, dx_cfg, dphi_cfg, label, call, nbytes):
@@ -286,10 +309,23 @@ def sweep_projection_split():
         return out, _time(f"{label} [{resources}]", call, nbytes)
 
     one_pass = originals[0](n, 4096)
-    dx_configs = [(64, 64, 4, 3, 6, None), (64, 64, 4, 2, 4, None), (32, 64, 4, 3, 6, None), (64, 128, 8, 3, 4, None),
-                  (32, 128, 4, 3, 6, None), (64, 64, 4, 3, 6, 168), (128, 64, 8, 3, 4, None)]
-    dphi_configs = [(64, 64, 4, 3, 4, None), (128, 64, 4, 3, 4, None), (64, 128, 8, 3, 4, None),
-                    (64, 64, 4, 4, 8, None), (128, 128, 8, 3, 4, None), (32, 64, 4, 3, 8, None)]
+    dx_configs = [
+        (64, 64, 4, 3, 6, None),
+        (64, 64, 4, 2, 4, None),
+        (32, 64, 4, 3, 6, None),
+        (64, 128, 8, 3, 4, None),
+        (32, 128, 4, 3, 6, None),
+        (64, 64, 4, 3, 6, 168),
+        (128, 64, 8, 3, 4, None),
+    ]
+    dphi_configs = [
+        (64, 64, 4, 3, 4, None),
+        (128, 64, 4, 3, 4, None),
+        (64, 128, 8, 3, 4, None),
+        (64, 64, 4, 4, 8, None),
+        (128, 128, 8, 3, 4, None),
+        (32, 64, 4, 3, 8, None),
+    ]
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
     for dim in (4096, 1024):
         call, nbytes, _ = _coefficient_backward_call(dim, n, T)
@@ -299,26 +335,60 @@ def sweep_projection_split():
             for cfg in configs:
                 dx_cfg = cfg if which == "dx" else best.get("dx", dx_configs[0])
                 dphi_cfg = cfg if which == "dphi" else dphi_configs[0]
-                out, ms = run(("dx", "dphi"), dx_cfg, dphi_cfg,
-                              f"d={dim} n={n} two passes ({precision}) dx {dx_cfg} dphi {dphi_cfg}", call, nbytes)
+                out, ms = run(
+                    ("dx", "dphi"),
+                    dx_cfg,
+                    dphi_cfg,
+                    f"d={dim} n={n} two passes ({precision}) dx {dx_cfg} dphi {dphi_cfg}",
+                    call,
+                    nbytes,
+                )
                 if ms is not None:
                     if ms < best.get(which + "_ms", float("inf")):
                         best[which], best[which + "_ms"] = cfg, ms
-                    print(f"    against one pass: dx {rel(out[0], ref[0]):.2e}, dphi {rel(out[1], ref[1]):.2e}, "
-                          f"biases and gates {rel(out[2], ref[2]):.2e}", flush=True)
+                    print(
+                        f"    against one pass: dx {rel(out[0], ref[0]):.2e}, dphi {rel(out[1], ref[1]):.2e}, "
+                        f"biases and gates {rel(out[2], ref[2]):.2e}",
+                        flush=True,
+                    )
         print(f"  d={dim}: best dx pass {best.get('dx')}, dphi pass {best.get('dphi')}", flush=True)
-    (mhc_coefficients.projection_bwd_config, mhc_coefficients.dphi_bwd_config,
-     mhc_coefficients.projection_passes, mhc_coefficients.dx_precision) = originals
+    (
+        mhc_coefficients.projection_bwd_config,
+        mhc_coefficients.dphi_bwd_config,
+        mhc_coefficients.projection_passes,
+        mhc_coefficients.dx_precision,
+    ) = originals
     _uncached()
 
 
 def sweep_coefficients():
-    configs = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 256, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3),
-               (64, 128, 8, 4), (32, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 8, 3), (32, 32, 4, 3)]
+    configs = [
+        (64, 128, 4, 3),
+        (64, 64, 4, 4),
+        (32, 128, 4, 3),
+        (64, 256, 8, 3),
+        (128, 64, 8, 3),
+        (32, 256, 4, 3),
+        (64, 128, 8, 4),
+        (32, 64, 4, 3),
+        (16, 64, 4, 3),
+        (16, 128, 4, 3),
+        (32, 64, 8, 3),
+        (32, 32, 4, 3),
+    ]
     if STREAMS > 4:  # registers from offline sm_90 compiles: 244, 166, 156, 175, 147 (no spills)
-        configs = [(64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3),
-                   # 128 tokens per program: half the reads of phi from L2 (10 MiB per program at n = 8)
-                   (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2)]
+        configs = [
+            (64, 64, 4, 4),
+            (32, 64, 4, 3),
+            (64, 32, 4, 3),
+            (32, 128, 8, 3),
+            (64, 64, 8, 3),
+            # 128 tokens per program: half the reads of phi from L2 (10 MiB per program at n = 8)
+            (128, 32, 8, 3),
+            (128, 64, 8, 3),
+            (128, 32, 4, 3),
+            (128, 64, 8, 2),
+        ]
     original = mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config
     mhc_coefficients.coefficients_split_config = lambda n, d, tokens, sms: None  # the one-pass kernel
     for dim in (4096, 1024):
@@ -333,8 +403,17 @@ def sweep_coefficients():
 
 
 def sweep_coefficients_split():
-    configs = [None, (128, 64, 8, 3, 4), (128, 64, 8, 3, 2), (128, 64, 4, 3, 4), (128, 128, 8, 3, 4),
-               (256, 64, 8, 3, 4), (64, 64, 4, 4, 4), (128, 64, 8, 4, 6), (128, 32, 4, 3, 4)]
+    configs = [
+        None,
+        (128, 64, 8, 3, 4),
+        (128, 64, 8, 3, 2),
+        (128, 64, 4, 3, 4),
+        (128, 128, 8, 3, 4),
+        (256, 64, 8, 3, 4),
+        (64, 64, 4, 4, 4),
+        (128, 64, 8, 4, 6),
+        (128, 32, 4, 3, 4),
+    ]
     finishes = [(64, 64, 4), (32, 128, 4), (64, 128, 8)]  # the first: with every configuration
     original = mhc_coefficients.coefficients_split_config, mhc_coefficients.coefficients_finish_config
     for dim in (4096, 1024):
@@ -350,10 +429,16 @@ def sweep_coefficients_split():
                     out = call()
                     ref = out if ref is None else ref
                     err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
-                    splits = "one pass" if cfg is None else mhc_coefficients.k_splits(
-                        T, STREAMS * dim, cfg[0], cfg[1], cfg[4], x.device)
-                    _time(f"coefficients fwd d={dim} T={T} {cfg} finish {fin} splits {splits} diff {err:.1e}",
-                          call, 2 * x.numel() * 2)
+                    splits = (
+                        "one pass"
+                        if cfg is None
+                        else mhc_coefficients.k_splits(T, STREAMS * dim, cfg[0], cfg[1], cfg[4], x.device)
+                    )
+                    _time(
+                        f"coefficients fwd d={dim} T={T} {cfg} finish {fin} splits {splits} diff {err:.1e}",
+                        call,
+                        2 * x.numel() * 2,
+                    )
     mhc_coefficients.coefficients_split_config, mhc_coefficients.coefficients_finish_config = original
     _uncached()
 
@@ -375,8 +460,11 @@ def sweep_small_tokens():
     per SM."""
     one_pass = [(64, 128, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3)]
     splits = [(128, 64, 8, 3, 4), (64, 64, 4, 3, 4), (64, 64, 4, 3, 8), (128, 64, 8, 3, 8), (64, 128, 4, 3, 4)]
-    originals = (mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config,
-                 mhc_coefficients.projection_bwd_config)
+    originals = (
+        mhc_coefficients.coefficients_fwd_config,
+        mhc_coefficients.coefficients_split_config,
+        mhc_coefficients.projection_bwd_config,
+    )
     for dim in (1024, 4096):
         for T in (1024, 2048, 4096, 8192):
             x, phi, alpha, bias = _inputs(dim, STREAMS, T)
@@ -396,7 +484,10 @@ def sweep_small_tokens():
             call, nbytes, _ = _coefficient_backward_call(dim, STREAMS, T)
             for waves in (2, 3, 6, 12):
                 mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, w=waves: (
-                    *originals[2](n, d, dtype or torch.bfloat16)[:4], w, originals[2](n, d, dtype or torch.bfloat16)[5])
+                    *originals[2](n, d, dtype or torch.bfloat16)[:4],
+                    w,
+                    originals[2](n, d, dtype or torch.bfloat16)[5],
+                )
                 _uncached()
                 _time_graph(f"bwd d={dim} T={T} waves {waves}", call, nbytes)
             mhc_coefficients.projection_bwd_config = originals[2]
@@ -442,10 +533,19 @@ def sweep_small_tokens_projection():
     programs per SM and the fewest token blocks per split, the whole coefficient backward timed
     from CUDA-graph replays at 1k-4k tokens and at 16k (no loss there)."""
     # (BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg, MIN_SPLIT_BLOCKS)
-    configs = [(64, 64, 4, 3, 6, 168, 4), (64, 64, 4, 3, 3, 168, 4), (64, 64, 4, 3, 6, 168, 2),
-               (32, 64, 4, 3, 6, 168, 4), (32, 64, 4, 3, 12, 168, 4), (64, 32, 4, 3, 6, 168, 4),
-               (32, 32, 4, 3, 12, None, 4), (64, 64, 4, 2, 6, 168, 4), (64, 128, 8, 3, 6, None, 4),
-               (32, 128, 4, 3, 6, None, 4), (128, 64, 8, 3, 6, None, 4)]
+    configs = [
+        (64, 64, 4, 3, 6, 168, 4),
+        (64, 64, 4, 3, 3, 168, 4),
+        (64, 64, 4, 3, 6, 168, 2),
+        (32, 64, 4, 3, 6, 168, 4),
+        (32, 64, 4, 3, 12, 168, 4),
+        (64, 32, 4, 3, 6, 168, 4),
+        (32, 32, 4, 3, 12, None, 4),
+        (64, 64, 4, 2, 6, 168, 4),
+        (64, 128, 8, 3, 6, None, 4),
+        (32, 128, 4, 3, 6, None, 4),
+        (128, 64, 8, 3, 6, None, 4),
+    ]
     original, min_blocks = mhc_coefficients.projection_bwd_config, mhc_coefficients.MIN_SPLIT_BLOCKS
     for dim in (1024, 4096):
         for T in (1024, 2048, 4096, 16384):
@@ -464,10 +564,28 @@ def sweep_small_tokens_mix():
     the post-mix backward (``stream_mix_bwd``, n = 4 streams out) and the coefficient-gradient
     kernel, over ``(BLOCK_T, BLOCK_D, num_warps)`` at 1k-4k tokens and at 16k (no loss there),
     d = 1024 and 4096, timed from CUDA-graph replays."""
-    mixes = [(4, 256, 4), (2, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 256, 4), (1, 512, 4), (2, 512, 8),
-             (1, 512, 2), (1, 256, 2)]
-    grads = [(4, 128, 4), (2, 256, 4), (1, 512, 4), (1, 1024, 4), (2, 512, 4), (1, 256, 2), (2, 128, 2),
-             (1, 1024, 8), (1, 512, 2)]
+    mixes = [
+        (4, 256, 4),
+        (2, 512, 4),
+        (1, 1024, 4),
+        (1, 1024, 8),
+        (2, 256, 4),
+        (1, 512, 4),
+        (2, 512, 8),
+        (1, 512, 2),
+        (1, 256, 2),
+    ]
+    grads = [
+        (4, 128, 4),
+        (2, 256, 4),
+        (1, 512, 4),
+        (1, 1024, 4),
+        (2, 512, 4),
+        (1, 256, 2),
+        (2, 128, 2),
+        (1, 1024, 8),
+        (1, 512, 2),
+    ]
     original = stream_mix._bwd_config
     for dim in (1024, 4096):
         for T in (1024, 2048, 4096, 16384):
@@ -503,8 +621,11 @@ def sweep_small_tokens_split():
                 for _ in range(4):
                     x = torch.randn(T, STREAMS, dim, device="cuda", dtype=torch.bfloat16)
                     w = torch.rand(T, n_out, STREAMS, device="cuda")
-                    y, b = (torch.randn(T, dim, device="cuda", dtype=torch.bfloat16),
-                            torch.rand(T, n_out, device="cuda")) if n_out > 1 else (None, None)
+                    y, b = (
+                        (torch.randn(T, dim, device="cuda", dtype=torch.bfloat16), torch.rand(T, n_out, device="cuda"))
+                        if n_out > 1
+                        else (None, None)
+                    )
                     g = torch.randn(T, n_out, dim, device="cuda", dtype=torch.bfloat16)
                     acc = torch.randn_like(x) if n_out == 1 else None
                     sets.append((x, w, y, b, g, acc))
@@ -517,8 +638,11 @@ def sweep_small_tokens_split():
                     stream_mix.bwd_d_splits = lambda n, n_out, d, tokens, s, splits=splits: splits
                     _uncached()
                     mark = " <- launcher" if splits == chosen else ""
-                    _time_graph(f"{'post' if n_out > 1 else 'pre'}-mix bwd d={dim} T={T} ranges={splits}{mark}",
-                                calls, 4 * nbytes)
+                    _time_graph(
+                        f"{'post' if n_out > 1 else 'pre'}-mix bwd d={dim} T={T} ranges={splits}{mark}",
+                        calls,
+                        4 * nbytes,
+                    )
     stream_mix.bwd_d_splits = original
     _uncached()
 
@@ -561,13 +685,20 @@ if __name__ == "__main__":
     if "host" in todo:
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for name, fn in (("compile", compile_times), ("overhead", launch_overhead), ("projection", sweep_projection),
-                     ("projection-split", sweep_projection_split), ("mix-bwd", sweep_mix_bwd),
-                     ("coefficients", sweep_coefficients), ("coefficients-split", sweep_coefficients_split),
-                     ("small-tokens", sweep_small_tokens), ("small-tokens-epilogues", sweep_small_tokens_epilogues),
-                     ("small-tokens-projection", sweep_small_tokens_projection),
-                     ("small-tokens-mix", sweep_small_tokens_mix),
-                     ("small-tokens-split", sweep_small_tokens_split)):
+    for name, fn in (
+        ("compile", compile_times),
+        ("overhead", launch_overhead),
+        ("projection", sweep_projection),
+        ("projection-split", sweep_projection_split),
+        ("mix-bwd", sweep_mix_bwd),
+        ("coefficients", sweep_coefficients),
+        ("coefficients-split", sweep_coefficients_split),
+        ("small-tokens", sweep_small_tokens),
+        ("small-tokens-epilogues", sweep_small_tokens_epilogues),
+        ("small-tokens-projection", sweep_small_tokens_projection),
+        ("small-tokens-mix", sweep_small_tokens_mix),
+        ("small-tokens-split", sweep_small_tokens_split),
+    ):
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

@@ -52,7 +52,7 @@ def candidates(np2: int, kind: str):
                 continue
             for ri in (r for r in (1, 2, 4, 8, 16) if r <= np2):
                 if kind == "bwd":
-                    for seg in ((7, 15) if np2 <= 16 else (15, 19)):
+                    for seg in (7, 15) if np2 <= 16 else (15, 19):
                         yield (block_t, ri, warps, seg, False)
                 else:
                     yield (block_t, ri, warps)
@@ -84,8 +84,10 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
         kinds = {
             "fwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_fwd(x, ITERS), sinkhorn_tiled.sinkhorn_tiled_fwd_kernel),
             "bwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_bwd(x, g, ITERS), sinkhorn_tiled.sinkhorn_tiled_bwd_kernel),
-            "implicit": (lambda: sinkhorn_tiled.sinkhorn_tiled_implicit_bwd(out, g),
-                         sinkhorn_tiled.sinkhorn_tiled_implicit_bwd_kernel),
+            "implicit": (
+                lambda: sinkhorn_tiled.sinkhorn_tiled_implicit_bwd(out, g),
+                sinkhorn_tiled.sinkhorn_tiled_implicit_bwd_kernel,
+            ),
         }
         for kind, (call, kernel) in kinds.items():
             if kind not in only.split(","):
@@ -104,8 +106,11 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
             config[kind] = saved[kind]
             for ms, cfg, regs, spills in sorted(results)[:8]:
                 mark = "*" if cfg == saved[kind] else " "
-                print(f" {mark}{kind:9s} {str(cfg):22s} {ms:8.3f} ms ({ms / clone:5.2f}x clone) "
-                      f"regs {regs} spills {spills}", flush=True)
+                print(
+                    f" {mark}{kind:9s} {str(cfg):22s} {ms:8.3f} ms ({ms / clone:5.2f}x clone) "
+                    f"regs {regs} spills {spills}",
+                    flush=True,
+                )
 
 
 def layout():
@@ -150,9 +155,11 @@ def ir():
                 print(f"  ir n={n} {kind}: no compiled kernel found ({exc!r})")
                 continue
             ttgir = c.asm["ttgir"]
-            print(f"  ir n={n} {kind:8s} regs {c.n_regs} spills {c.n_spills} "
-                  f"convert_layout {ttgir.count('convert_layout')} local_alloc {ttgir.count('local_alloc')}",
-                  flush=True)
+            print(
+                f"  ir n={n} {kind:8s} regs {c.n_regs} spills {c.n_spills} "
+                f"convert_layout {ttgir.count('convert_layout')} local_alloc {ttgir.count('local_alloc')}",
+                flush=True,
+            )
 
 
 def _first_call(n: int) -> None:

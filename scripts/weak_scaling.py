@@ -5,7 +5,8 @@ tokens per GPU on 1 and on N GPUs, several runs each.
 
 The driver launches one ``torchrun`` job per (tokens, GPUs); a job builds each arm's model afresh
 for every run, the arms interleaved within a run, and times it. The driver writes ``scaling.csv``
-and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run). ``--profile`` adds a torch.profiler trace
+and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run).
+``--profile`` adds a torch.profiler trace
 summary of each arm's step on the largest GPU count (``profile_<arm>.txt``): GPU busy time
 against step time, and how long the host takes to issue a step.
 
@@ -151,7 +152,7 @@ def _run(arm, args, device, rank, sync):
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     summary = _profile(step, device, sync) if args.profile else None
-    del model, opt, step
+    model = opt = step = None  # drop the arm before collecting
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -176,8 +177,13 @@ def _profile(step, device, sync):
     busy = sum(e.device_time for e in kernels)
     comm = sum(e.device_time for e in kernels if "nccl" in e.name.lower())
     top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    return dict(step_ms=(done - t0) / 3 * 1e3, host_issue_ms=(issued - t0) / 3 * 1e3, gpu_busy_ms=busy / 3e3,
-                nccl_ms=comm / 3e3, top_cpu=top)
+    return dict(
+        step_ms=(done - t0) / 3 * 1e3,
+        host_issue_ms=(issued - t0) / 3 * 1e3,
+        gpu_busy_ms=busy / 3e3,
+        nccl_ms=comm / 3e3,
+        top_cpu=top,
+    )
 
 
 # ------------------------------------------------------------------------------ driver
@@ -187,11 +193,35 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
     """One torchrun job: ``runs`` rounds of every arm on ``gpus`` GPUs; its per-run results."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__,
-           "--worker", "--arms", *arms, "--runs", str(runs), "--tokens", str(tokens), "--result", result,
-           "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--dim", str(args.dim), "--layers", str(args.layers), "--heads",
-           str(args.heads), "--seq", str(args.seq)] + (["--profile"] if profile else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        __file__,
+        "--worker",
+        "--arms",
+        *arms,
+        "--runs",
+        str(runs),
+        "--tokens",
+        str(tokens),
+        "--result",
+        result,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--seq",
+        str(args.seq),
+    ] + (["--profile"] if profile else [])
     env = {**os.environ, **SAFE_ENV}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -208,24 +238,44 @@ def driver(args):
         for gpus in args.gpus:
             for r in launch(args.arms, args.runs, gpus, tokens, args):
                 ms = statistics.median(r["times"])
-                rows.append(dict(run=r["run"], tokens_per_gpu=tokens, arm=r["arm"], gpus=gpus, step_ms=ms,
-                                 step_ms_min=min(r["times"]), step_ms_max=max(r["times"]), peak_gib=r["peak_gib"]))
-                print(f"  run {r['run']} tokens/GPU {tokens:6d} {r['arm']:>9} {gpus} GPU(s): {ms:8.2f} ms "
-                      f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB", flush=True)
+                rows.append(
+                    dict(
+                        run=r["run"],
+                        tokens_per_gpu=tokens,
+                        arm=r["arm"],
+                        gpus=gpus,
+                        step_ms=ms,
+                        step_ms_min=min(r["times"]),
+                        step_ms_max=max(r["times"]),
+                        peak_gib=r["peak_gib"],
+                    )
+                )
+                print(
+                    f"  run {r['run']} tokens/GPU {tokens:6d} {r['arm']:>9} {gpus} GPU(s): {ms:8.2f} ms "
+                    f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB",
+                    flush=True,
+                )
     with open(os.path.join(args.out, "scaling.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    lines = ["| tokens per GPU | arm | " + " | ".join(f"{g} GPU(s), ms" for g in args.gpus)
-             + " | " + " | ".join(f"{g} / {args.gpus[0]} GPU" for g in args.gpus[1:]) + " |",
-             "| --- " * (2 + 2 * len(args.gpus) - 1) + "|"]
+    lines = [
+        "| tokens per GPU | arm | "
+        + " | ".join(f"{g} GPU(s), ms" for g in args.gpus)
+        + " | "
+        + " | ".join(f"{g} / {args.gpus[0]} GPU" for g in args.gpus[1:])
+        + " |",
+        "| --- " * (2 + 2 * len(args.gpus) - 1) + "|",
+    ]
     for tokens in args.tokens:
         for arm in args.arms:
             cells, ratios = [], []
             for g in args.gpus:
                 ms = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, g)]
                 cells.append(", ".join(f"{v:.1f}" for v in ms))
-            base = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, args.gpus[0])]
+            base = [
+                r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, args.gpus[0])
+            ]
             for g in args.gpus[1:]:
                 ms = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, g)]
                 ratios.append(", ".join(f"{m / b:.3f}" for m, b in zip(ms, base)))
@@ -235,10 +285,14 @@ def driver(args):
     with open(os.path.join(args.out, "scaling.md"), "w") as f:
         f.write(table + "\n")
     if args.profile:
-        for arm, r in ((r["arm"], r["profile"]) for r in launch(args.arms, 1, max(args.gpus), args.tokens[0], args, True)):
-            text = (f"{arm}, {max(args.gpus)} GPUs, {args.tokens[0]} tokens per GPU: step {r['step_ms']:.2f} ms, "
-                    f"host issues a step in {r['host_issue_ms']:.2f} ms, GPU busy {r['gpu_busy_ms']:.2f} ms "
-                    f"(NCCL {r['nccl_ms']:.2f} ms)\n" + r["top_cpu"])
+        for arm, r in (
+            (r["arm"], r["profile"]) for r in launch(args.arms, 1, max(args.gpus), args.tokens[0], args, True)
+        ):
+            text = (
+                f"{arm}, {max(args.gpus)} GPUs, {args.tokens[0]} tokens per GPU: step {r['step_ms']:.2f} ms, "
+                f"host issues a step in {r['host_issue_ms']:.2f} ms, GPU busy {r['gpu_busy_ms']:.2f} ms "
+                f"(NCCL {r['nccl_ms']:.2f} ms)\n" + r["top_cpu"]
+            )
             print(text.splitlines()[0], flush=True)
             with open(os.path.join(args.out, f"profile_{arm}.txt"), "w") as f:
                 f.write(text)

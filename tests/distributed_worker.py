@@ -56,11 +56,13 @@ class EveryModule(nn.Module):
         self.checkpoint_blocks = checkpoint_blocks
         self.embed = nn.Embedding(VOCAB, DIM)
         self.expand = StreamExpand(STREAMS, DIM)
-        self.blocks = nn.ModuleList([
-            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), init="zero"),
-            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), constraint="none"),
-            HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), dynamic=False),
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), init="zero"),
+                HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), constraint="none"),
+                HyperConnection(DIM, STREAMS, MLP(DIM, checkpoint_branches), dynamic=False),
+            ]
+        )
         self.mix_logits = nn.Parameter(torch.randn(STREAMS, STREAMS))
         self.sinkhorn = FusedMHC(mhc_iters=10)
         self.lanes = LaneMixer(STREAMS, dim=DIM, dynamic=True)
@@ -78,8 +80,7 @@ class EveryModule(nn.Module):
         return self.head(reduce_streams(x[..., :2, :]), targets)  # all n streams' mean would not see the mixing
 
 
-def build_model(checkpoint_blocks: bool = False, checkpoint_branches: bool = False,
-                recompute: int = 1) -> EveryModule:
+def build_model(checkpoint_blocks: bool = False, checkpoint_branches: bool = False, recompute: int = 1) -> EveryModule:
     """``recompute``: the block length of :func:`mhc.recompute.recompute_streams` (1: off)."""
     torch.manual_seed(0)
     model = EveryModule(checkpoint_blocks, checkpoint_branches)
@@ -150,8 +151,11 @@ def main(out: Path) -> None:
     progress("fsdp_checkpointed")
 
     # the streams recomputed in blocks of 2 sites, alone and with checkpointed branches or blocks
-    for name, options in (("fsdp_recompute", {}), ("fsdp_recompute_checkpointed_branches", dict(checkpoint_branches=True)),
-                          ("fsdp_recompute_checkpointed", dict(checkpoint_blocks=True))):
+    for name, options in (
+        ("fsdp_recompute", {}),
+        ("fsdp_recompute_checkpointed_branches", dict(checkpoint_branches=True)),
+        ("fsdp_recompute_checkpointed", dict(checkpoint_blocks=True)),
+    ):
         model = shard(build_model(recompute=2, **options))
         results[name] = dict(losses=train(model, rank, world), params=full_state(model))
         progress(name)

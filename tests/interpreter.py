@@ -24,8 +24,8 @@ import inspect
 def install() -> bool:
     """Patch the interpreter in this process; returns whether it was patched."""
     try:
-        from triton.runtime import interpreter
         import triton.language as tl
+        from triton.runtime import interpreter
     except ImportError:
         return False
     original = getattr(interpreter, "_patch_lang", None)

@@ -28,8 +28,11 @@ class Model(nn.Module):
         self.chain = chain
         self.embed = nn.Embedding(VOCAB, DIM)
         self.sites = nn.ModuleList(
-            HyperConnection(DIM, N, nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)),
-                            init="zero") for _ in range(4))
+            HyperConnection(
+                DIM, N, nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)), init="zero"
+            )
+            for _ in range(4)
+        )
         self.lanes = LaneMixer(N, dim=DIM, dynamic=True)
         self.head = LinearCrossEntropy(DIM, VOCAB, capturable=True)
 
@@ -127,8 +130,27 @@ def test_toy_lm_cuda_graph_equals_eager(tmp_path):
     sys.path.insert(0, "examples")
     from train_toy_lm import main
 
-    common = ["--preset", "gpu", "--steps", "20", "--layers", "2", "--dim", "128", "--batch-size", "8",
-              "--log-every", "1", "--eval-every", "1000", "--dtype", "float32", "--no-progress", "--residual", "mhc"]
+    common = [
+        "--preset",
+        "gpu",
+        "--steps",
+        "20",
+        "--layers",
+        "2",
+        "--dim",
+        "128",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--residual",
+        "mhc",
+    ]
     logs = {}
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
         (path,) = main(common + ["--out-dir", str(tmp_path / name)] + extra)

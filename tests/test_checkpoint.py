@@ -108,8 +108,11 @@ class Partitioned:
 
     def __init__(self):
         self.forward = self.backward = None
-        self.backend = aot_autograd(fw_compiler=self._keep("forward"), bw_compiler=self._keep("backward"),
-                                    partition_fn=min_cut_rematerialization_partition)
+        self.backend = aot_autograd(
+            fw_compiler=self._keep("forward"),
+            bw_compiler=self._keep("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+        )
 
     def _keep(self, which):
         def compiler(gm, example_inputs):
@@ -121,13 +124,19 @@ class Partitioned:
     def saved_activations(self) -> list:
         """The shapes of what the forward keeps for the backward, parameters and inputs aside."""
         kept = [n for n in self.backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-        return [tuple(n.meta["val"].shape) for n in kept
-                if isinstance(n.meta.get("val"), torch.Tensor) and not n.name.startswith("primals")]
+        return [
+            tuple(n.meta["val"].shape)
+            for n in kept
+            if isinstance(n.meta.get("val"), torch.Tensor) and not n.name.startswith("primals")
+        ]
 
     def tangents(self) -> list:
         """The shapes of the gradients the compiled backward takes in (one per forward output)."""
-        return [tuple(n.meta["val"].shape) for n in self.backward.graph.nodes
-                if n.op == "placeholder" and n.name.startswith("tangents")]
+        return [
+            tuple(n.meta["val"].shape)
+            for n in self.backward.graph.nodes
+            if n.op == "placeholder" and n.name.startswith("tangents")
+        ]
 
     def backward_ops(self) -> collections.Counter:
         return collections.Counter(str(n.target) for n in self.backward.graph.nodes if n.op == "call_function")

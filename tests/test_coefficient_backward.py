@@ -9,10 +9,10 @@ CPU: Triton's interpreter at a small width; GPU: the model width d = 1024.
 import pytest
 import torch
 
-from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
 from mhc.kernels import mhc_coefficients
 from mhc.kernels._launch import forget_launch_plans
+from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 
 DEVICE = KERNEL_DEVICE
 DIM = 1024 if HAS_CUDA else 24
@@ -41,10 +41,10 @@ def test_bias_sums_reduced_with_dphi_equal_the_separate_sums(n, splits, tokens, 
     monkeypatch.setattr(mhc_coefficients, "BIAS_TILE", 2)  # several tiles of rows per split
     forget_launch_plans()
     request.addfinalizer(forget_launch_plans)
-    _, _, dbias_alpha = kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, dh_post, dz_res,
-                                                 grad_x_in)
-    _, _, partial_bias = mhc_coefficients.coefficient_grad(x, alpha, p, r, h_pre, h_post, None, dh_post, dz_res,
-                                                           grad_x_in, 0.0)
+    _, _, dbias_alpha = kernels.coefficients_bwd(x, phi, alpha, p, r, h_pre, h_post, None, dh_post, dz_res, grad_x_in)
+    _, _, partial_bias = mhc_coefficients.coefficient_grad(
+        x, alpha, p, r, h_pre, h_post, None, dh_post, dz_res, grad_x_in, 0.0
+    )
     assert tokens == 1 or partial_bias.shape[0] > 2 * splits
     want = partial_bias.sum(0)
     torch.testing.assert_close(dbias_alpha, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

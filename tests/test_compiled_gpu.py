@@ -20,8 +20,14 @@ DIM, N = 64, 4
 # every kernel of a site, forward and backward: mHC (Sinkhorn backward included), plain HC (its
 # coefficients are PyTorch ops)
 SITE_KERNELS = {
-    "sinkhorn": ("coefficients_fwd_kernel", "stream_mix_fwd_kernel", "stream_mix_bwd_kernel", "coefficient_grad_kernel",
-                 "projection_bwd_kernel", "sinkhorn_bwd_kernel"),
+    "sinkhorn": (
+        "coefficients_fwd_kernel",
+        "stream_mix_fwd_kernel",
+        "stream_mix_bwd_kernel",
+        "coefficient_grad_kernel",
+        "projection_bwd_kernel",
+        "sinkhorn_bwd_kernel",
+    ),
     "none": ("stream_mix_fwd_kernel", "stream_mix_bwd_kernel"),
 }
 
@@ -171,8 +177,12 @@ def _load_and_check(package, cases, path, rtol, atol):
     import sys
 
     torch.save(cases, path)
-    return subprocess.run([sys.executable, "-c", _LOAD_AND_CHECK, package, str(path), str(rtol), str(atol)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_CHECK, package, str(path), str(rtol), str(atol)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +220,10 @@ def test_export_and_aoti_package_run_the_sites(tmp_path, aoti_loads, dtype, hc_e
         cases.append((x, want))
     loads, why = aoti_loads
     if not loads:
-        pytest.skip(f"AOTInductor cannot load a plain nn.Linear package on this machine ({why}); "
-                    "see this fixture's docstring for the C++ compiler it may take")
+        pytest.skip(
+            f"AOTInductor cannot load a plain nn.Linear package on this machine ({why}); "
+            "see this fixture's docstring for the C++ compiler it may take"
+        )
     result = _load_and_check(package, cases, tmp_path / "cases.pt", **tol)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 

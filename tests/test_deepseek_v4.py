@@ -27,12 +27,31 @@ MLP_TYPES = ["hash_moe", "moe"]  # both routers
 
 def tiny_config(hc_mult=4, iters=20, layers=2, hidden=64, **kwargs):
     return DeepseekV4Config(
-        vocab_size=97, hidden_size=hidden, moe_intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_lora_rank=32, o_groups=2,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=16,
-        index_topk=4, sliding_window=8, qk_rope_head_dim=8, hc_mult=hc_mult, hc_sinkhorn_iters=iters,
-        num_nextn_predict_layers=0, max_position_embeddings=256, mlp_layer_types=MLP_TYPES[:layers],
-        experts_implementation="eager", **kwargs,  # the loop over experts runs in fp64 too (the oracle)
+        vocab_size=97,
+        hidden_size=hidden,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        o_lora_rank=32,
+        o_groups=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        sliding_window=8,
+        qk_rope_head_dim=8,
+        hc_mult=hc_mult,
+        hc_sinkhorn_iters=iters,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=256,
+        mlp_layer_types=MLP_TYPES[:layers],
+        experts_implementation="eager",
+        **kwargs,  # the loop over experts runs in fp64 too (the oracle)
     )
 
 
@@ -119,8 +138,9 @@ def test_base_model_and_patching_twice():
     ref = DeepseekV4Model(tiny_config()).to(KERNEL_DEVICE)
     got = patch_deepseek_v4(patch_deepseek_v4(copy.deepcopy(ref), backend="torch"), backend="torch")
     ids = torch.randint(0, 97, (2, 10)).to(KERNEL_DEVICE)
-    torch.testing.assert_close(got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state, rtol=1e-5, atol=1e-5
+    )
     assert isinstance(got.layers[0], v4.DeepseekV4DecoderLayer)  # what transformers' hooks look for
 
 

@@ -62,9 +62,18 @@ def test_the_model_trains_every_parameter(single_process):
     assert loss < single_process["losses"][0]
 
 
-@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_checkpointed", "ddp", "fsdp_recompute",
-                                      "fsdp_recompute_checkpointed_branches", "fsdp_recompute_checkpointed",
-                                      "ddp_recompute"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "fsdp",
+        "fsdp_checkpointed",
+        "ddp",
+        "fsdp_recompute",
+        "fsdp_recompute_checkpointed_branches",
+        "fsdp_recompute_checkpointed",
+        "ddp_recompute",
+    ],
+)
 def test_two_ranks_equal_one_process(distributed_results, single_process, scenario):
     # with recompute_streams the same training to rounding: the streams are rebuilt exactly
     assert_same_training(torch.load(distributed_results / f"{scenario}.pt"), single_process)
@@ -78,14 +87,22 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(distributed_results, single_p
     result = torch.load(distributed_results / "fsdp_bf16.pt")
     assert_same_training(result, single_process, loss_atol=2e-2, param_atol=worker.LR * worker.STEPS)
     start = worker.build_model().state_dict()
-    update, reference = (torch.cat([(p[k] - start[k]).flatten() for k in start])
-                         for p in (result["params"], single_process["params"]))
+    update, reference = (
+        torch.cat([(p[k] - start[k]).flatten() for k in start]) for p in (result["params"], single_process["params"])
+    )
     assert torch.nn.functional.cosine_similarity(update, reference, dim=0) > 0.98
 
 
-@pytest.mark.parametrize("options", [dict(checkpoint_blocks=True), dict(checkpoint_branches=True),
-                                     dict(recompute=2), dict(recompute=3, checkpoint_branches=True),
-                                     dict(recompute=2, checkpoint_blocks=True)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(checkpoint_blocks=True),
+        dict(checkpoint_branches=True),
+        dict(recompute=2),
+        dict(recompute=3, checkpoint_branches=True),
+        dict(recompute=2, checkpoint_blocks=True),
+    ],
+)
 def test_activation_checkpointing_and_recompute_give_identical_gradients(options):
     batch = worker.batches()[0]
     grads = []
@@ -113,10 +130,15 @@ def test_dcp_sharded_save_loads_resharded_and_unsharded(distributed_results):
 def test_state_dict_with_separate_gates_and_biases_still_loads(gate_shape):
     # checkpoints of the seven separate parameters (gates 0-d, later [1]) load into alpha and bias
     n = 3
-    old = {"b_pre": torch.arange(n) + 0.5, "b_post": -torch.arange(n) - 1.0,
-           "b_res": torch.arange(n * n, dtype=torch.float32).view(n, n),
-           "a_pre": torch.tensor(0.5).reshape(gate_shape), "a_post": torch.tensor(-0.25).reshape(gate_shape),
-           "a_res": torch.tensor(2.0).reshape(gate_shape), "phi": torch.randn(n * 8, 2 * n + n * n)}
+    old = {
+        "b_pre": torch.arange(n) + 0.5,
+        "b_post": -torch.arange(n) - 1.0,
+        "b_res": torch.arange(n * n, dtype=torch.float32).view(n, n),
+        "a_pre": torch.tensor(0.5).reshape(gate_shape),
+        "a_post": torch.tensor(-0.25).reshape(gate_shape),
+        "a_res": torch.tensor(2.0).reshape(gate_shape),
+        "phi": torch.randn(n * 8, 2 * n + n * n),
+    }
     hc = HyperConnection(8, n)
     nested = torch.nn.Sequential(HyperConnection(8, n))
     hc.load_state_dict(old)

@@ -31,8 +31,9 @@ def test_exported_program_matches_eager_at_any_token_count(chain, constraint):
     model = _model(chain, constraint)
     tokens = torch.export.Dim("tokens", min=2, max=4096)
     with torch.no_grad():
-        exported = torch.export.export(model, (torch.randn(24, DIM, device=KERNEL_DEVICE),),
-                                       dynamic_shapes=({0: tokens},))
+        exported = torch.export.export(
+            model, (torch.randn(24, DIM, device=KERNEL_DEVICE),), dynamic_shapes=({0: tokens},)
+        )
         ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
         assert "mhc.stream_mix_fwd.default" in ops
         if constraint == "sinkhorn":
@@ -47,7 +48,8 @@ def test_exported_program_keeps_leading_dims():
     model = _model(False, "sinkhorn")
     batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=4096)
     with torch.no_grad():
-        exported = torch.export.export(model, (torch.randn(2, 12, DIM, device=KERNEL_DEVICE),),
-                                       dynamic_shapes=({0: batch, 1: seq},))
+        exported = torch.export.export(
+            model, (torch.randn(2, 12, DIM, device=KERNEL_DEVICE),), dynamic_shapes=({0: batch, 1: seq},)
+        )
         x = torch.randn(3, 5, DIM, device=KERNEL_DEVICE)
         torch.testing.assert_close(exported.module()(x), model(x), rtol=1e-5, atol=1e-6)

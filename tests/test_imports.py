@@ -46,7 +46,7 @@ def _cycle(graph: dict) -> list | None:
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == "open":
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (found := visit(d)):
                 return found
         state[m] = "done"

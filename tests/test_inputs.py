@@ -18,8 +18,16 @@ from torch import nn
 from mhc import kernels
 from mhc.layer import sinkhorn
 from mhc.losses import LinearCrossEntropy, linear_cross_entropy
-from mhc.mixing import (HyperConnection, LaneMixer, StreamCollapse, amax_gain, collect_h_res, expand_streams,
-                        reduce_streams, stream_collapse)
+from mhc.mixing import (
+    HyperConnection,
+    LaneMixer,
+    StreamCollapse,
+    amax_gain,
+    collect_h_res,
+    expand_streams,
+    reduce_streams,
+    stream_collapse,
+)
 from mhc.mixing_ops import mhc_pre_mix, mhc_seam, post_mix, pre_mix
 from tests.conftest import KERNEL_DEVICE
 
@@ -85,8 +93,9 @@ def assert_layouts_agree(fn, *tensors, kinds, grad=True):
 def hc_layer(backend, constraint="sinkhorn", dynamic=True, seed=0):
     torch.manual_seed(seed)
     init = "zero" if constraint == "sinkhorn" else "residual"
-    layer = HyperConnection(8, 4, nn.Linear(8, 8), constraint=constraint, dynamic=dynamic, init=init,
-                            backend=backend).to(DEVICE)
+    layer = HyperConnection(
+        8, 4, nn.Linear(8, 8), constraint=constraint, dynamic=dynamic, init=init, backend=backend
+    ).to(DEVICE)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -114,32 +123,49 @@ def mixing_case(n=4, d=8, lead=(2, 3)):
 CASES = {
     # name: (function of the tensors, tensors)
     "sinkhorn exact": (lambda z: sinkhorn(z, 20, backend="triton"), lambda: [torch.randn(3, 4, 4, 4).to(DEVICE)]),
-    "sinkhorn implicit": (lambda z: sinkhorn(z, 20, backward="implicit", backend="triton"),
-                          lambda: [torch.randn(6, 4, 4).to(DEVICE)]),
+    "sinkhorn implicit": (
+        lambda z: sinkhorn(z, 20, backward="implicit", backend="triton"),
+        lambda: [torch.randn(6, 4, 4).to(DEVICE)],
+    ),
     "sinkhorn eps": (lambda z: sinkhorn(z, 20, backend="triton", eps=1e-3), lambda: [torch.randn(6, 4, 4).to(DEVICE)]),
     "sinkhorn n=9 tiled": (lambda z: sinkhorn(z, 20, backend="triton"), lambda: [torch.randn(4, 9, 9).to(DEVICE)]),
     "pre_mix": (lambda x, h: pre_mix(x, h), lambda: [mixing_case()[0], mixing_case()[2]]),
     "post_mix": (lambda x, y, hp, hr: post_mix(x, y, hp, hr), lambda: [mixing_case()[i] for i in (0, 1, 3, 4)]),
     "post_mix, mix only": (lambda x, hr: post_mix(x, None, None, hr), lambda: [mixing_case()[i] for i in (0, 4)]),
-    "mhc_pre_mix": (lambda x, phi, a, b: mhc_pre_mix(x, (phi, a, b), 20, "exact", 1e-6),
-                    lambda: [mixing_case()[i] for i in (0, 5, 6, 7)]),
-    "mhc_seam": (lambda x, y, hp, hr, phi, a, b: mhc_seam(x, y, hp, hr, (phi, a, b), 20, "exact", 1e-6),
-                 lambda: [mixing_case()[i] for i in (0, 1, 3, 4, 5, 6, 7)]),
-    "stream_collapse": (lambda x, phi, a, b: stream_collapse(x, phi, a, b, backend="triton"),
-                        lambda: [mixing_case()[0], torch.randn(32, 4).to(DEVICE) * 0.1,
-                                 torch.tensor([0.7]).to(DEVICE), torch.randn(4).to(DEVICE)]),
-    "expand_streams": (lambda h, e: expand_streams(h, 4, e), lambda: [torch.randn(3, 8).to(DEVICE),
-                                                                       torch.randn(4, 8).to(DEVICE)]),
+    "mhc_pre_mix": (
+        lambda x, phi, a, b: mhc_pre_mix(x, (phi, a, b), 20, "exact", 1e-6),
+        lambda: [mixing_case()[i] for i in (0, 5, 6, 7)],
+    ),
+    "mhc_seam": (
+        lambda x, y, hp, hr, phi, a, b: mhc_seam(x, y, hp, hr, (phi, a, b), 20, "exact", 1e-6),
+        lambda: [mixing_case()[i] for i in (0, 1, 3, 4, 5, 6, 7)],
+    ),
+    "stream_collapse": (
+        lambda x, phi, a, b: stream_collapse(x, phi, a, b, backend="triton"),
+        lambda: [
+            mixing_case()[0],
+            torch.randn(32, 4).to(DEVICE) * 0.1,
+            torch.tensor([0.7]).to(DEVICE),
+            torch.randn(4).to(DEVICE),
+        ],
+    ),
+    "expand_streams": (
+        lambda h, e: expand_streams(h, 4, e),
+        lambda: [torch.randn(3, 8).to(DEVICE), torch.randn(4, 8).to(DEVICE)],
+    ),
     "reduce_streams": (lambda x: reduce_streams(x), lambda: [mixing_case()[0]]),
     "linear_cross_entropy": (
-        lambda x, w, t, b, cw: linear_cross_entropy(x, w, t, linear_bias=b, weight=cw.detach(), backend="triton",
-                                                    label_smoothing=0.1),
-        lambda: loss_case("column")),
+        lambda x, w, t, b, cw: linear_cross_entropy(
+            x, w, t, linear_bias=b, weight=cw.detach(), backend="triton", label_smoothing=0.1
+        ),
+        lambda: loss_case("column"),
+    ),
 }
 for _constraint, _dynamic in (("sinkhorn", True), ("none", True), ("sinkhorn", False)):
     CASES[f"HyperConnection {_constraint} dynamic={_dynamic}"] = (
         (lambda c, dy: lambda x: hc_layer("triton", c, dy)(x))(_constraint, _dynamic),
-        lambda: [mixing_case()[0]])
+        lambda: [mixing_case()[0]],
+    )
 
 
 def chained(backend):
@@ -158,7 +184,8 @@ CASES["HyperConnection chained"] = (lambda x: chained("triton")(x), lambda: [mix
 for _dynamic in (False, True):
     CASES[f"LaneMixer dynamic={_dynamic}"] = (
         (lambda dy: lambda x: LaneMixer(4, 8, dynamic=dy, backend="triton").to(DEVICE)(x))(_dynamic),
-        lambda: [mixing_case()[0]])
+        lambda: [mixing_case()[0]],
+    )
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -236,12 +263,12 @@ def test_sinkhorn_double_backward_matches_the_reference(backward, eps):
 
 
 FUSED_OPS = {
-    "HyperConnection": lambda be: (lambda x: hc_layer(be)(x)),
-    "HyperConnection HC": lambda be: (lambda x: hc_layer(be, "none")(x)),
-    "HyperConnection static": lambda be: (lambda x: hc_layer(be, dynamic=False)(x)),
+    "HyperConnection": lambda be: lambda x: hc_layer(be)(x),
+    "HyperConnection HC": lambda be: lambda x: hc_layer(be, "none")(x),
+    "HyperConnection static": lambda be: lambda x: hc_layer(be, dynamic=False)(x),
     "chained": chained,
-    "LaneMixer": lambda be: (lambda x: LaneMixer(4, 8, dynamic=True, backend=be).to(DEVICE)(x)),
-    "StreamCollapse": lambda be: (lambda x: StreamCollapse(8, 4, backend=be).to(DEVICE)(x)),
+    "LaneMixer": lambda be: lambda x: LaneMixer(4, 8, dynamic=True, backend=be).to(DEVICE)(x),
+    "StreamCollapse": lambda be: lambda x: StreamCollapse(8, 4, backend=be).to(DEVICE)(x),
 }
 
 
@@ -276,17 +303,27 @@ def test_separate_parameters_of_the_wrong_shapes_are_refused(n, cut, data):
     hc = HyperConnection(4, n)
     b = torch.randn(2 * n + n * n)
     wrong = data.draw(st.sampled_from(["pre-post", "post-res", "gates"]))
-    sizes = {"pre-post": (n - cut if cut < n else 1, n + (cut if cut < n else n - 1), n * n),
-             "post-res": (n, n + cut, n * n - cut), "gates": None}[wrong]
+    sizes = {
+        "pre-post": (n - cut if cut < n else 1, n + (cut if cut < n else n - 1), n * n),
+        "post-res": (n, n + cut, n * n - cut),
+        "gates": None,
+    }[wrong]
     state = {"phi": hc.phi.detach().clone()}
     if sizes is None:
         b_pre, b_post, b_res = b.split([n, n, n * n])
-        state.update(b_pre=b_pre, b_post=b_post, b_res=b_res.view(n, n), a_pre=torch.zeros(2),
-                     a_post=torch.zeros(1), a_res=torch.zeros(0))
+        state.update(
+            b_pre=b_pre,
+            b_post=b_post,
+            b_res=b_res.view(n, n),
+            a_pre=torch.zeros(2),
+            a_post=torch.zeros(1),
+            a_res=torch.zeros(0),
+        )
     else:
         b_pre, b_post, b_res = b.split(list(sizes))
-        state.update(b_pre=b_pre, b_post=b_post, b_res=b_res, a_pre=torch.ones(1), a_post=torch.ones(1),
-                     a_res=torch.ones(1))
+        state.update(
+            b_pre=b_pre, b_post=b_post, b_res=b_res, a_pre=torch.ones(1), a_post=torch.ones(1), a_res=torch.ones(1)
+        )
     before = hc.bias.detach().clone() if wrong != "gates" else hc.alpha.detach().clone()
     for strict in (True, False):
         with pytest.raises(RuntimeError, match="size mismatch for (a_pre|b_pre|b_post|b_res)"):
@@ -347,8 +384,8 @@ def test_loss_with_no_features_is_that_of_the_bias(backend, bias):
     want = F.cross_entropy(F.linear(x, w, b), t)
     torch.testing.assert_close(got, want)
     if bias:
-        got_grad, = torch.autograd.grad(got, b)
-        want_grad, = torch.autograd.grad(want, b)
+        (got_grad,) = torch.autograd.grad(got, b)
+        (want_grad,) = torch.autograd.grad(want, b)
         torch.testing.assert_close(got_grad, want_grad)
     else:
         torch.testing.assert_close(got, torch.tensor(math.log(V), device=DEVICE))
@@ -398,14 +435,24 @@ def hc_with_parameter_on(device, name: str) -> HyperConnection:
 
 BAD_CALLS = [
     # (call, error, message naming the argument)
-    (lambda: stream_collapse(X(), torch.randn(32, 5), torch.ones(1), torch.zeros(4)), ValueError, "phi must have shape"),
+    (
+        lambda: stream_collapse(X(), torch.randn(32, 5), torch.ones(1), torch.zeros(4)),
+        ValueError,
+        "phi must have shape",
+    ),
     (lambda: stream_collapse(X(), torch.randn(32, 4), torch.ones(3), torch.zeros(4)), ValueError, "a must have shape"),
     (lambda: stream_collapse(X(), torch.randn(32, 4), torch.ones(1), torch.zeros(6)), ValueError, "b must have shape"),
     (lambda: stream_collapse(X(), [1.0], torch.ones(1), torch.zeros(4)), TypeError, "phi must be a torch.Tensor"),
-    (lambda: stream_collapse(X(), torch.randn(32, 4, device=META), torch.ones(1), torch.zeros(4)), ValueError,
-     "phi is on meta"),
-    (lambda: stream_collapse(X(), torch.randn(32, 4), torch.ones(1), torch.zeros(4), backend="cuda"), ValueError,
-     "backend must be one of"),
+    (
+        lambda: stream_collapse(X(), torch.randn(32, 4, device=META), torch.ones(1), torch.zeros(4)),
+        ValueError,
+        "phi is on meta",
+    ),
+    (
+        lambda: stream_collapse(X(), torch.randn(32, 4), torch.ones(1), torch.zeros(4), backend="cuda"),
+        ValueError,
+        "backend must be one of",
+    ),
     (lambda: amax_gain([[1.0]]), TypeError, r"h_res\[0\] must be a torch.Tensor"),
     (lambda: amax_gain(torch.eye(2)[None]), TypeError, "h_res must be a sequence"),
     (lambda: amax_gain(None), TypeError, "h_res must be a sequence"),
@@ -414,8 +461,11 @@ BAD_CALLS = [
     (lambda: amax_gain([torch.eye(2), torch.eye(2, device=META)]), ValueError, r"h_res\[1\] is on meta"),
     (lambda: expand_streams([1.0], 2), TypeError, "h must be a torch.Tensor"),
     (lambda: expand_streams(torch.randn(3, 4), 2, [1.0]), TypeError, "embedding must be a torch.Tensor"),
-    (lambda: expand_streams(torch.randn(3, 4), 2, torch.ones(2, 4, dtype=torch.long)), TypeError,
-     "embedding must be a floating-point"),
+    (
+        lambda: expand_streams(torch.randn(3, 4), 2, torch.ones(2, 4, dtype=torch.long)),
+        TypeError,
+        "embedding must be a floating-point",
+    ),
     (lambda: expand_streams(torch.randn(3, 4), 2, torch.ones(2, 4, device=META)), ValueError, "embedding is on meta"),
     (lambda: expand_streams(torch.tensor(1.0), 2), ValueError, "h must have shape"),
     (lambda: collect_h_res("model").__enter__(), TypeError, "model must be a torch.nn.Module"),
@@ -430,34 +480,89 @@ BAD_CALLS = [
     (lambda: pre_mix(XK(), torch.rand(5, n_, device=DEVICE)), ValueError, "h_pre must have shape"),
     (lambda: pre_mix(XK(), torch.rand(6, n_, device=DEVICE).double()), TypeError, "h_pre must be torch.float32"),
     (lambda: post_mix(XK(), None, None, torch.rand(6, 3, 3, device=DEVICE)), ValueError, "h_res must have shape"),
-    (lambda: post_mix(XK(), torch.randn(2, 3, d_, device=DEVICE), None, torch.rand(6, n_, n_, device=DEVICE)),
-     ValueError, "y and h_post go together"),
-    (lambda: mhc_pre_mix(XK(), (torch.randn(32, 24, device=DEVICE),) * 3, 20, "exact", 1e-6), ValueError,
-     "alpha must have shape"),
+    (
+        lambda: post_mix(XK(), torch.randn(2, 3, d_, device=DEVICE), None, torch.rand(6, n_, n_, device=DEVICE)),
+        ValueError,
+        "y and h_post go together",
+    ),
+    (
+        lambda: mhc_pre_mix(XK(), (torch.randn(32, 24, device=DEVICE),) * 3, 20, "exact", 1e-6),
+        ValueError,
+        "alpha must have shape",
+    ),
     (lambda: mhc_pre_mix(XK(), mixing_case()[5:], 20, "exact", 0.0), ValueError, "eps .the RMS epsilon."),
-    (lambda: linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), [0, 1, 2]), TypeError,
-     "target must be a torch.Tensor"),
+    (
+        lambda: linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), [0, 1, 2]),
+        TypeError,
+        "target must be a torch.Tensor",
+    ),
     (lambda: LinearCrossEntropy(4, 5, weight=torch.ones(5, requires_grad=True)), ValueError, "requires grad"),
-    (lambda: linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long),
-                                  ignore_index=2**70), ValueError, "ignore_index must fit in int64"),
+    (
+        lambda: linear_cross_entropy(
+            torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), ignore_index=2**70
+        ),
+        ValueError,
+        "ignore_index must fit in int64",
+    ),
     # the public launchers of mhc.kernels: a wrong shape would be read out of bounds
-    (lambda: kernels.sinkhorn_fwd(torch.randn(3, 5, 4, device=DEVICE), 20), ValueError, r"logits must have shape \[T, n, n\]"),
-    (lambda: kernels.sinkhorn_fwd(torch.randn(3, 9, 8, device=DEVICE), 20), ValueError, r"logits must have shape \[T, n, n\]"),
-    (lambda: kernels.sinkhorn_fwd(torch.ones(3, 4, 4, dtype=torch.long, device=DEVICE), 20), TypeError, "logits must be"),
-    (lambda: kernels.sinkhorn_bwd(torch.randn(3, 4, 4, device=DEVICE), torch.randn(3, 4, 5, device=DEVICE), 20),
-     ValueError, "grad_out must have shape"),
-    (lambda: kernels.sinkhorn_implicit_bwd(torch.rand(3, 4, 4, device=DEVICE), torch.randn(2, 4, 4, device=DEVICE)),
-     ValueError, "grad_out must have shape"),
+    (
+        lambda: kernels.sinkhorn_fwd(torch.randn(3, 5, 4, device=DEVICE), 20),
+        ValueError,
+        r"logits must have shape \[T, n, n\]",
+    ),
+    (
+        lambda: kernels.sinkhorn_fwd(torch.randn(3, 9, 8, device=DEVICE), 20),
+        ValueError,
+        r"logits must have shape \[T, n, n\]",
+    ),
+    (
+        lambda: kernels.sinkhorn_fwd(torch.ones(3, 4, 4, dtype=torch.long, device=DEVICE), 20),
+        TypeError,
+        "logits must be",
+    ),
+    (
+        lambda: kernels.sinkhorn_bwd(torch.randn(3, 4, 4, device=DEVICE), torch.randn(3, 4, 5, device=DEVICE), 20),
+        ValueError,
+        "grad_out must have shape",
+    ),
+    (
+        lambda: kernels.sinkhorn_implicit_bwd(torch.rand(3, 4, 4, device=DEVICE), torch.randn(2, 4, 4, device=DEVICE)),
+        ValueError,
+        "grad_out must have shape",
+    ),
     (lambda: kernels.sinkhorn_eps_fwd(torch.randn(3, 4, 4, device=DEVICE), 20, 0.0), ValueError, "eps must be"),
     (lambda: kernels.sinkhorn_fwd(torch.randn(3, 4, 4, device=DEVICE), 0), ValueError, "iters must be"),
     (lambda: kernels.stream_mix_fwd(XK(), torch.rand(6, n_, n_ + 1, device=DEVICE)), ValueError, "w must have shape"),
     (lambda: kernels.stream_mix_fwd(XK(), torch.rand(6, n_, n_, device=DEVICE).double()), TypeError, "w must be"),
-    (lambda: kernels.stream_mix_fwd(XK(), torch.rand(6, n_, n_, device=DEVICE), torch.randn(6, d_ - 1, device=DEVICE),
-                                    torch.rand(6, n_, device=DEVICE)), ValueError, "y must have shape"),
-    (lambda: kernels.stream_mix_bwd(XK(), torch.rand(6, n_, n_, device=DEVICE), None, None,
-                                    torch.randn(6, n_, d_ + 1, device=DEVICE)), ValueError, "grad_out must have shape"),
-    (lambda: kernels.coefficients_fwd(XK(), torch.randn(32, 23, device=DEVICE), torch.ones(3, device=DEVICE),
-                                      torch.zeros(24, device=DEVICE), 20, 1e-6), ValueError, "phi must have shape"),
+    (
+        lambda: kernels.stream_mix_fwd(
+            XK(),
+            torch.rand(6, n_, n_, device=DEVICE),
+            torch.randn(6, d_ - 1, device=DEVICE),
+            torch.rand(6, n_, device=DEVICE),
+        ),
+        ValueError,
+        "y must have shape",
+    ),
+    (
+        lambda: kernels.stream_mix_bwd(
+            XK(), torch.rand(6, n_, n_, device=DEVICE), None, None, torch.randn(6, n_, d_ + 1, device=DEVICE)
+        ),
+        ValueError,
+        "grad_out must have shape",
+    ),
+    (
+        lambda: kernels.coefficients_fwd(
+            XK(),
+            torch.randn(32, 23, device=DEVICE),
+            torch.ones(3, device=DEVICE),
+            torch.zeros(24, device=DEVICE),
+            20,
+            1e-6,
+        ),
+        ValueError,
+        "phi must have shape",
+    ),
     (lambda: StreamCollapse(d_, n_).weights(torch.randn(2, n_, d_, device=META)), ValueError, "x is on meta"),
 ]
 

@@ -42,8 +42,11 @@ def _sinkhorn_and_coefficients():
     logits, grad = torch.randn(5, 4, 4, generator=g), torch.randn(5, 4, 4, generator=g)
     x = torch.randn(3, 4, 16, generator=g)
     phi, alpha, bias = torch.randn(64, 24, generator=g) / 8, torch.rand(3, generator=g), torch.randn(24, generator=g)
-    return (sinkhorn.sinkhorn_fwd(logits, 20), sinkhorn.sinkhorn_bwd(logits, grad, 20),
-            *mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6))
+    return (
+        sinkhorn.sinkhorn_fwd(logits, 20),
+        sinkhorn.sinkhorn_bwd(logits, grad, 20),
+        *mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6),
+    )
 
 
 def test_kernels_compute_the_same_as_with_tritons_interpreter():

@@ -11,8 +11,11 @@ from tests.test_mixing_chain import make_chain, run_chain
 
 def test_key_separates_what_triton_specializes_on():
     def key(arg):
-        return _launch._specialization((arg,), ())[0] if isinstance(arg, torch.Tensor) else \
-            _launch._specialization((), (arg,))[0]
+        return (
+            _launch._specialization((arg,), ())[0]
+            if isinstance(arg, torch.Tensor)
+            else _launch._specialization((), (arg,))[0]
+        )
 
     base = torch.empty(64)
     assert key(base) != key(base[1:])  # 16-byte aligned or not
@@ -60,16 +63,33 @@ def test_launch_outputs_are_fresh_buffers_of_the_inputs_dtypes(monkeypatch):
         x = torch.randn(2, 3, 4, dim, device=device, dtype=dtype)
         for chained in (True, False):
             run_chain(sites, x, torch.randn_like(x), chained=chained)
-        for n, backward, eps in ((4, "exact", 0.0), (4, "implicit", 0.0), (4, "exact", 1e-3), (8, "exact", 0.0),
-                                 (8, "implicit", 0.0)):
+        for n, backward, eps in (
+            (4, "exact", 0.0),
+            (4, "implicit", 0.0),
+            (4, "exact", 1e-3),
+            (8, "exact", 0.0),
+            (8, "implicit", 0.0),
+        ):
             logits = torch.randn(5, n, n, device=device, dtype=dtype, requires_grad=True)
             sinkhorn(logits, iters=5, backward=backward, backend="triton", eps=eps).backward(torch.randn_like(logits))
     kernels = set(launched)
-    assert {"coefficients_fwd_kernel", "coefficients_finish_kernel", "projection_partial_kernel", "stream_mix_fwd_kernel",
-            "stream_mix_bwd_kernel", "coefficient_grad_kernel", "projection_bwd_kernel", "sinkhorn_fwd_kernel",
-            "sinkhorn_bwd_kernel", "sinkhorn_implicit_bwd_kernel", "sinkhorn_eps_fwd_kernel",
-            "sinkhorn_eps_bwd_kernel", "sinkhorn_tiled_fwd_kernel", "sinkhorn_tiled_bwd_kernel",
-            "sinkhorn_tiled_implicit_bwd_kernel"} <= kernels, kernels
+    assert {
+        "coefficients_fwd_kernel",
+        "coefficients_finish_kernel",
+        "projection_partial_kernel",
+        "stream_mix_fwd_kernel",
+        "stream_mix_bwd_kernel",
+        "coefficient_grad_kernel",
+        "projection_bwd_kernel",
+        "sinkhorn_fwd_kernel",
+        "sinkhorn_bwd_kernel",
+        "sinkhorn_implicit_bwd_kernel",
+        "sinkhorn_eps_fwd_kernel",
+        "sinkhorn_eps_bwd_kernel",
+        "sinkhorn_tiled_fwd_kernel",
+        "sinkhorn_tiled_bwd_kernel",
+        "sinkhorn_tiled_implicit_bwd_kernel",
+    } <= kernels, kernels
 
 
 @pytest.mark.gpu

@@ -70,20 +70,28 @@ def test_tracing_is_restored_when_the_body_raises(monkeypatch):
     assert _launch.tracing is False
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"TRITON_INTERPRET": "1"}, False),
-    ({"MHC_TRITON_OP": "0"}, False),
-    ({"TRITON_INTERPRET": "0", "MHC_TRITON_OP": "1"},
-     hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"TRITON_INTERPRET": "1"}, False),
+        ({"MHC_TRITON_OP": "0"}, False),
+        (
+            {"TRITON_INTERPRET": "0", "MHC_TRITON_OP": "1"},
+            hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None,
+        ),
+    ],
+)
 def test_which_registration_the_environment_picks(env, expected):
     """Decided at import: the interpreter's kernels cannot be traced, ``MHC_TRITON_OP=0`` asks for
     the opaque ops, and otherwise ``triton_op`` wherever PyTorch has it; the package's ops are
     registered either way."""
-    code = ("import torch, mhc.mixing_ops, mhc.layer\nfrom mhc import _library\n"
-            "assert hasattr(torch.ops.mhc, 'stream_mix_fwd') and hasattr(torch.ops.mhc, 'sinkhorn_fwd')\n"
-            "print(_library.TRITON_OP)")
+    code = (
+        "import torch, mhc.mixing_ops, mhc.layer\nfrom mhc import _library\n"
+        "assert hasattr(torch.ops.mhc, 'stream_mix_fwd') and hasattr(torch.ops.mhc, 'sinkhorn_fwd')\n"
+        "print(_library.TRITON_OP)"
+    )
     environ = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MHC_TRITON_OP")}
-    out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == str(expected)

@@ -76,8 +76,12 @@ def assert_matches_fp64(got, want, atol, rtol=1e-4):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(
-    n=st.integers(1, 40), d=st.integers(1, 40), v=st.integers(1, 80), bias=st.booleans(),
-    reduction=st.sampled_from(["mean", "sum", "none"]), ignore_frac=st.sampled_from([0.0, 0.3]),
+    n=st.integers(1, 40),
+    d=st.integers(1, 40),
+    v=st.integers(1, 80),
+    bias=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    ignore_frac=st.sampled_from([0.0, 0.3]),
     seed=st.integers(0, 2**16),
 )
 def test_matches_fp64_reference(backend, n, d, v, bias, reduction, ignore_frac, seed, nan_poison):

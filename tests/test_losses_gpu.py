@@ -82,7 +82,13 @@ def test_more_than_2_31_logits():
     ours = _loss_and_grads(_ours, x, w, None, t, grad_out, "sum")
     ref = _loss_and_grads(
         lambda *a: linear_cross_entropy(a[0], a[1], a[3], reduction=a[4], backend="torch"),
-        x, w, None, t, grad_out, "sum")
+        x,
+        w,
+        None,
+        t,
+        grad_out,
+        "sum",
+    )
     for a, r in zip(ours, ref):
         assert _rel(a, r.double()) < 1e-4
 
@@ -131,8 +137,13 @@ def _torch_options(class_weight):
         logits = F.linear(x, w, b)
         logits = OPTIONS["softcap"] * torch.tanh(logits / OPTIONS["softcap"])
         logits = logits.float() if x.dtype != torch.float64 else logits
-        ce = F.cross_entropy(logits, t, weight=class_weight.to(logits.dtype), reduction=reduction,
-                             label_smoothing=OPTIONS["label_smoothing"])
+        ce = F.cross_entropy(
+            logits,
+            t,
+            weight=class_weight.to(logits.dtype),
+            reduction=reduction,
+            label_smoothing=OPTIONS["label_smoothing"],
+        )
         valid = t != -100
         z = OPTIONS["lse_square_scale"] * torch.logsumexp(logits, dim=1).square() * valid
         z = z if reduction == "none" else z.sum() / valid.sum()
@@ -143,8 +154,7 @@ def _torch_options(class_weight):
 
 def _ours_options(class_weight):
     def fn(x, w, b, t, reduction):
-        return linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction,
-                                    weight=class_weight, **OPTIONS)
+        return linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, weight=class_weight, **OPTIONS)
 
     return fn
 
@@ -156,8 +166,7 @@ def test_options_three_way_rule(dtype, nan_poison):
     x = 8 * x  # logits of tens: the soft-cap at 30 bends them
     cw = _class_weights(20011)
     grad_out = torch.rand(1000, device="cuda", dtype=torch.float64) + 0.5
-    want = _loss_and_grads(_torch_options(cw), x.double(), w.double(), b.double(), t, grad_out,
-                           "none")
+    want = _loss_and_grads(_torch_options(cw), x.double(), w.double(), b.double(), t, grad_out, "none")
     ours = _loss_and_grads(_ours_options(cw), x, w, b, t, grad_out, "none")
     theirs = _loss_and_grads(_torch_options(cw), x, w, b, t, grad_out, "none")
     _assert_three_way(ours, theirs, want, dtype)

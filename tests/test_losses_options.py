@@ -30,8 +30,7 @@ def class_weights(v, seed, dtype=torch.float64):
     return (torch.rand(v, generator=g, dtype=torch.float64) * 1.9 + 0.1).to(dtype)
 
 
-def reference(x, w, t, b, reduction, class_weight=None, label_smoothing=0.0,
-              lse_square_scale=0.0, softcap=None):
+def reference(x, w, t, b, reduction, class_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
     """(loss, z_loss): PyTorch's cross-entropy of the (soft-capped) logits plus the z-loss."""
     logits = F.linear(x, w, b)
     if softcap is not None:
@@ -39,8 +38,7 @@ def reference(x, w, t, b, reduction, class_weight=None, label_smoothing=0.0,
     valid = t != -100
     if reduction == "mean" and not valid.any():
         reduction = "sum"  # the documented difference: 0, where PyTorch's mean gives NaN
-    ce = F.cross_entropy(logits, t, weight=class_weight, label_smoothing=label_smoothing,
-                         reduction=reduction)
+    ce = F.cross_entropy(logits, t, weight=class_weight, label_smoothing=label_smoothing, reduction=reduction)
     z_rows = torch.where(valid, lse_square_scale * torch.logsumexp(logits, dim=1) ** 2, 0.0)
     if reduction == "none":
         z = z_rows
@@ -64,8 +62,9 @@ def ours(backend, reduction, **options):
     def fn(x, w, t, b):
         cw = options.get("weight")
         opts = dict(options, weight=None if cw is None else cw.to(x.device))
-        return linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction,
-                                    return_z_loss=True, backend=backend, **opts)
+        return linear_cross_entropy(
+            x, w, t, linear_bias=b, reduction=reduction, return_z_loss=True, backend=backend, **opts
+        )
 
     return fn
 
@@ -73,9 +72,17 @@ def ours(backend, reduction, **options):
 def theirs(reduction, **options):
     def fn(x, w, t, b):
         cw = options.get("weight")
-        return reference(x, w, t, b, reduction, None if cw is None else cw.to(x.dtype),
-                         options.get("label_smoothing", 0.0),
-                         options.get("lse_square_scale", 0.0), options.get("softcap"))
+        return reference(
+            x,
+            w,
+            t,
+            b,
+            reduction,
+            None if cw is None else cw.to(x.dtype),
+            options.get("label_smoothing", 0.0),
+            options.get("lse_square_scale", 0.0),
+            options.get("softcap"),
+        )
 
     return fn
 
@@ -83,8 +90,7 @@ def theirs(reduction, **options):
 def upstreams(reduction, n, seed):
     g = torch.Generator().manual_seed(seed + 1)
     shape = (n,) if reduction == "none" else ()
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            torch.randn(shape, generator=g, dtype=torch.float64))
+    return (torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64))
 
 
 def assert_matches(got, want, atol, rtol=1e-4):
@@ -97,33 +103,51 @@ def assert_matches(got, want, atol, rtol=1e-4):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(
-    n=st.integers(1, 30), d=st.integers(1, 24), v=st.integers(1, 70), bias=st.booleans(),
-    reduction=st.sampled_from(["mean", "sum", "none"]), ignore_frac=st.sampled_from([0.0, 0.3]),
-    weighted=st.booleans(), label_smoothing=st.sampled_from([0.0, 0.1, 0.6, 1.0]),
-    lse_square_scale=st.sampled_from([0.0, 1e-2]), softcap=st.sampled_from([None, 1.5, 30.0]),
+    n=st.integers(1, 30),
+    d=st.integers(1, 24),
+    v=st.integers(1, 70),
+    bias=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    ignore_frac=st.sampled_from([0.0, 0.3]),
+    weighted=st.booleans(),
+    label_smoothing=st.sampled_from([0.0, 0.1, 0.6, 1.0]),
+    lse_square_scale=st.sampled_from([0.0, 1e-2]),
+    softcap=st.sampled_from([None, 1.5, 30.0]),
     seed=st.integers(0, 2**16),
 )
-def test_options_match_fp64_reference(backend, n, d, v, bias, reduction, ignore_frac, weighted,
-                                      label_smoothing, lse_square_scale, softcap, seed,
-                                      nan_poison):
+def test_options_match_fp64_reference(
+    backend,
+    n,
+    d,
+    v,
+    bias,
+    reduction,
+    ignore_frac,
+    weighted,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    seed,
+    nan_poison,
+):
     """Every option and their combinations, random shapes, random upstream gradients for both
     the loss and the returned z-loss."""
-    x, w, b, t = make(n, d, v, bias=bias, seed=seed, ignore_frac=ignore_frac,
-                      device=_device(backend))
-    options = dict(weight=class_weights(v, seed) if weighted else None,
-                   label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                   softcap=softcap)
+    x, w, b, t = make(n, d, v, bias=bias, seed=seed, ignore_frac=ignore_frac, device=_device(backend))
+    options = dict(
+        weight=class_weights(v, seed) if weighted else None,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+    )
     grad_loss, grad_z = upstreams(reduction, n, seed)
-    want = loss_and_grads(theirs(reduction, **options), *fp64(x, w, b), t.cpu(), grad_loss,
-                          grad_z)
+    want = loss_and_grads(theirs(reduction, **options), *fp64(x, w, b), t.cpu(), grad_loss, grad_z)
     got = loss_and_grads(ours(backend, reduction, **options), x, w, b, t, grad_loss, grad_z)
     assert_matches(got, want, atol=3e-5)
 
 
 def test_fp64_torch_backend_with_every_option():
     x, w, b, t = make(25, 12, 40, bias=True, seed=11, ignore_frac=0.2, dtype=torch.float64)
-    options = dict(weight=class_weights(40, 11), label_smoothing=0.2, lse_square_scale=3e-2,
-                   softcap=2.0)
+    options = dict(weight=class_weights(40, 11), label_smoothing=0.2, lse_square_scale=3e-2, softcap=2.0)
     for reduction in ("mean", "sum", "none"):
         grad_loss, grad_z = upstreams(reduction, 25, 11)
         got = loss_and_grads(ours("torch", reduction, **options), x, w, b, t, grad_loss, grad_z)
@@ -131,8 +155,9 @@ def test_fp64_torch_backend_with_every_option():
         assert_matches(got, want, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"),
-                    reason=f"torch {torch.__version__} has no F.linear_cross_entropy")
+@pytest.mark.skipif(
+    not hasattr(F, "linear_cross_entropy"), reason=f"torch {torch.__version__} has no F.linear_cross_entropy"
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_torch_linear_cross_entropy(backend, reduction):
@@ -143,13 +168,20 @@ def test_matches_torch_linear_cross_entropy(backend, reduction):
     seven = torch.where(t == -100, 7, t)  # ignore_index=7 with no -100 left
     dev = _device(backend)
     for ignore_index, target in ((None, t), (7, seven)):
-        want = F.linear_cross_entropy(x, w, target, linear_bias=b, weight=cw,
-                                      reduction=reduction, ignore_index=ignore_index,
-                                      label_smoothing=0.15)
-        got = linear_cross_entropy(x.to(dev), w.to(dev), target.to(dev), linear_bias=b.to(dev),
-                                   weight=cw.to(dev), reduction=reduction,
-                                   ignore_index=ignore_index, label_smoothing=0.15,
-                                   backend=backend)
+        want = F.linear_cross_entropy(
+            x, w, target, linear_bias=b, weight=cw, reduction=reduction, ignore_index=ignore_index, label_smoothing=0.15
+        )
+        got = linear_cross_entropy(
+            x.to(dev),
+            w.to(dev),
+            target.to(dev),
+            linear_bias=b.to(dev),
+            weight=cw.to(dev),
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=0.15,
+            backend=backend,
+        )
         torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
 
 
@@ -157,15 +189,12 @@ def test_matches_torch_linear_cross_entropy(backend, reduction):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_options_half_precision_three_way_rule(backend, dtype):
     """Error against fp64 no worse than ~2x PyTorch's own error in the same dtype."""
-    x, w, b, t = make(48, 64, 100, bias=True, seed=13, ignore_frac=0.1, dtype=dtype,
-                      device=_device(backend))
-    options = dict(weight=class_weights(100, 13), label_smoothing=0.1, lse_square_scale=1e-3,
-                   softcap=5.0)
+    x, w, b, t = make(48, 64, 100, bias=True, seed=13, ignore_frac=0.1, dtype=dtype, device=_device(backend))
+    options = dict(weight=class_weights(100, 13), label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0)
     grad_loss, grad_z = upstreams("mean", 48, 13)
     want = loss_and_grads(theirs("mean", **options), *fp64(x, w, b), t.cpu(), grad_loss, grad_z)
     got = loss_and_grads(ours(backend, "mean", **options), x, w, b, t, grad_loss, grad_z)
-    pytorch = loss_and_grads(theirs("mean", **options), x.cpu(), w.cpu(), b.cpu(), t.cpu(),
-                             grad_loss, grad_z)
+    pytorch = loss_and_grads(theirs("mean", **options), x.cpu(), w.cpu(), b.cpu(), t.cpu(), grad_loss, grad_z)
     rel = lambda a, r: ((a.cpu().double() - r).norm() / r.norm()).item()
     for a, p, r in zip(got, pytorch, want):
         assert a.dtype == dtype
@@ -179,8 +208,7 @@ def test_options_half_precision_three_way_rule(backend, dtype):
 def test_z_loss_is_lse_squared_and_included(backend):
     x, w, _, t = make(20, 16, 30, bias=False, seed=14, ignore_frac=0.3, device=_device(backend))
     plain = linear_cross_entropy(x, w, t, backend=backend)
-    loss, z = linear_cross_entropy(x, w, t, lse_square_scale=0.05, return_z_loss=True,
-                                   backend=backend)
+    loss, z = linear_cross_entropy(x, w, t, lse_square_scale=0.05, return_z_loss=True, backend=backend)
     valid = (t != -100).cpu()
     lse = torch.logsumexp(F.linear(x.cpu().double(), w.cpu().double()), dim=1)[valid]
     torch.testing.assert_close(z.cpu().double(), 0.05 * lse.square().mean(), atol=1e-5, rtol=1e-5)
@@ -206,11 +234,9 @@ def test_class_weights_scale_rows_and_mean_divides_by_their_sum(backend):
 def test_all_ignored_with_options_is_zero(backend):
     x, w, b, t = make(10, 8, 20, bias=True, seed=16, device=_device(backend))
     t = torch.full_like(t, -100)
-    options = dict(weight=class_weights(20, 16), label_smoothing=0.3, lse_square_scale=0.1,
-                   softcap=4.0)
+    options = dict(weight=class_weights(20, 16), label_smoothing=0.3, lse_square_scale=0.1, softcap=4.0)
     grad_loss, grad_z = upstreams("mean", 10, 16)
-    loss, z, dx, dw, db = loss_and_grads(ours(backend, "mean", **options), x, w, b, t,
-                                         grad_loss, grad_z)
+    loss, z, dx, dw, db = loss_and_grads(ours(backend, "mean", **options), x, w, b, t, grad_loss, grad_z)
     assert loss.item() == 0.0 and z.item() == 0.0
     assert not dx.any() and not dw.any() and not db.any()
 
@@ -229,8 +255,7 @@ def test_softcap_bounds_the_logits(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_options_over_many_vocabulary_chunks(backend, monkeypatch):
     x, w, b, t = make(33, 24, 150, bias=True, seed=18, ignore_frac=0.2, device=_device(backend))
-    options = dict(weight=class_weights(150, 18), label_smoothing=0.1, lse_square_scale=1e-2,
-                   softcap=3.0)
+    options = dict(weight=class_weights(150, 18), label_smoothing=0.1, lse_square_scale=1e-2, softcap=3.0)
     grad_loss, grad_z = upstreams("none", 33, 18)
     one = loss_and_grads(ours(backend, "none", **options), x, w, b, t, grad_loss, grad_z)
     monkeypatch.setattr(lce, "MIN_CHUNK", 40)  # 4 chunks, the last one partial
@@ -244,14 +269,24 @@ def test_options_over_many_vocabulary_chunks(backend, monkeypatch):
 def test_module_with_options():
     torch.manual_seed(0)
     cw = torch.rand(50) + 0.5
-    head = LinearCrossEntropy(16, 50, weight=cw, label_smoothing=0.1, lse_square_scale=1e-3,
-                              softcap=10.0, return_z_loss=True)
+    head = LinearCrossEntropy(
+        16, 50, weight=cw, label_smoothing=0.1, lse_square_scale=1e-3, softcap=10.0, return_z_loss=True
+    )
     assert torch.equal(head.weight, cw) and "weight" in dict(head.named_buffers())
     x = torch.randn(3, 4, 16)
     t = torch.randint(0, 50, (3, 4))
     loss, z = head(x, t)
-    want, want_z = reference(x.reshape(12, 16).double(), head.linear.weight.double(),
-                             t.reshape(12), None, "mean", cw.double(), 0.1, 1e-3, 10.0)
+    want, want_z = reference(
+        x.reshape(12, 16).double(),
+        head.linear.weight.double(),
+        t.reshape(12),
+        None,
+        "mean",
+        cw.double(),
+        0.1,
+        1e-3,
+        10.0,
+    )
     torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(z.double(), want_z.detach(), atol=1e-6, rtol=1e-5)
     assert "label_smoothing=0.1" in repr(head) and "softcap=10.0" in repr(head)
@@ -286,8 +321,9 @@ def test_bad_options_raise(options, error, match):
 def test_ignore_index_none_is_minus_100():
     x, w, _, t = make(12, 8, 20, bias=False, seed=19, ignore_frac=0.4)
     assert (t == -100).any()
-    torch.testing.assert_close(linear_cross_entropy(x, w, t, ignore_index=None),
-                               linear_cross_entropy(x, w, t, ignore_index=-100))
+    torch.testing.assert_close(
+        linear_cross_entropy(x, w, t, ignore_index=None), linear_cross_entropy(x, w, t, ignore_index=-100)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

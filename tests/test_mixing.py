@@ -7,7 +7,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mhc.mixing import (
-    HyperConnection, LaneMixer, StreamExpand, amax_gain, collect_h_res, expand_streams, reduce_streams,
+    HyperConnection,
+    LaneMixer,
+    StreamExpand,
+    amax_gain,
+    collect_h_res,
+    expand_streams,
+    reduce_streams,
 )
 
 
@@ -25,8 +31,12 @@ def streams(lead, n, dim, seed):
 
 
 @given(
-    n=st.integers(1, 8), dim=st.integers(1, 12), lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
-    constraint=st.sampled_from(["sinkhorn", "none"]), dynamic=st.booleans(), seed=st.integers(0, 2**16),
+    n=st.integers(1, 8),
+    dim=st.integers(1, 12),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    constraint=st.sampled_from(["sinkhorn", "none"]),
+    dynamic=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 def test_output_is_the_formula(n, dim, lead, constraint, dynamic, seed):
     branch = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
@@ -184,7 +194,9 @@ def test_lane_mixer_static_and_dynamic():
     assert dyn.proj.grad.abs().sum() > 0 and dyn.logits.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
+@pytest.mark.parametrize(
+    "constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)]
+)
 def test_fp64_layers_compute_their_coefficients_in_fp64(constraint, dynamic):
     # the fp64 reference is the exact oracle of the fused kernels' tests: no fp32 step inside
     hc = randomise(HyperConnection(6, 3, constraint=constraint, dynamic=dynamic, backend="torch"), 13)
@@ -207,7 +219,9 @@ def test_gain_metric_on_known_matrices():
     report = amax_gain([m, m])
     assert report.forward[0] == 3.0 and report.backward[0] == 2.25
     mm = m @ m  # [[0, -2.5], [0.625, -0.9375]]
-    assert report.composite_forward[1] == mm.abs().sum(-1).max() and report.composite_backward[1] == mm.abs().sum(-2).max()
+    assert (
+        report.composite_forward[1] == mm.abs().sum(-1).max() and report.composite_backward[1] == mm.abs().sum(-2).max()
+    )
     with pytest.raises(ValueError):
         amax_gain([])
 

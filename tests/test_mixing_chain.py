@@ -29,8 +29,14 @@ def assert_all_close(got, want, rtol, atol):
         scale = max(1.0, want[k].abs().amax().item()) if want[k].numel() else 1.0
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol * scale, msg=lambda m: f"{k}: {m}")
 
+
 DEVICE = KERNEL_DEVICE
-KINDS = {"mhc": ("sinkhorn", True), "static-mhc": ("sinkhorn", False), "hc": ("none", True), "static-hc": ("none", False)}
+KINDS = {
+    "mhc": ("sinkhorn", True),
+    "static-mhc": ("sinkhorn", False),
+    "hc": ("none", True),
+    "static-hc": ("none", False),
+}
 
 
 def make_chain(kinds, dim, n, backend, seed, scale=0.5, **kwargs):
@@ -41,8 +47,9 @@ def make_chain(kinds, dim, n, backend, seed, scale=0.5, **kwargs):
         constraint, dynamic = KINDS[kind]
         init = "zero" if constraint == "sinkhorn" else "residual"
         site_kwargs = kwargs if constraint == "sinkhorn" else {k: v for k, v in kwargs.items() if k != "hc_eps"}
-        site = HyperConnection(dim, n, Branch(dim), constraint=constraint, dynamic=dynamic, init=init,
-                               backend=backend, **site_kwargs).to(DEVICE)
+        site = HyperConnection(
+            dim, n, Branch(dim), constraint=constraint, dynamic=dynamic, init=init, backend=backend, **site_kwargs
+        ).to(DEVICE)
         with torch.no_grad():
             for name, p in site.named_parameters():
                 if not name.startswith("branch"):
@@ -86,10 +93,12 @@ def run_chain(sites, x, grad, chained: bool):
 @settings(max_examples=min(12, settings.default.max_examples))
 @given(
     # on a GPU every n compiles its own kernels: a few there, more in the interpreter
-    n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
+    n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8),
+    dim=st.sampled_from([1, 7, 24, 33]),
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
     kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=2, max_size=3),
-    hc_eps=st.sampled_from([0.0, 1e-3]), seed=st.integers(0, 2**16),
+    hc_eps=st.sampled_from([0.0, 1e-3]),
+    seed=st.integers(0, 2**16),
 )
 def test_chained_equals_unchained(backend, n, dim, lead, kinds, hc_eps, seed, nan_poison):
     sites = make_chain(kinds, dim, n, backend, seed, hc_eps=hc_eps)
@@ -136,9 +145,11 @@ def bf16_failures(sites, x, grad):
     low_ref = same_chain(sites, "torch")
     for site in sites + low_ref:
         site.branch.to(torch.bfloat16)
-    results = [run_chain(low_ref, x.bfloat16(), grad.bfloat16(), chained=False),
-               run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=True),
-               run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=False)]
+    results = [
+        run_chain(low_ref, x.bfloat16(), grad.bfloat16(), chained=False),
+        run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=True),
+        run_chain(sites, x.bfloat16(), grad.bfloat16(), chained=False),
+    ]
     failed = {}
     for k in exact:
         if ".branch." in k:

@@ -41,8 +41,14 @@ def test_chain_fp32_three_way(dim, n, hc_eps):
         x = torch.randn(2, 333, n, dim, device="cuda")
         w = torch.randn_like(x)
         exact = run_chain([s.double() for s in same_chain(sites, "torch")], x.double(), w.double(), chained=False)
-        draws.append((exact, run_chain(sites, x, w, chained=True), run_chain(same_chain(sites, "torch"), x, w, chained=False),
-                      run_chain(sites, x, w, chained=False)))
+        draws.append(
+            (
+                exact,
+                run_chain(sites, x, w, chained=True),
+                run_chain(same_chain(sites, "torch"), x, w, chained=False),
+                run_chain(sites, x, w, chained=False),
+            )
+        )
     failed = {}
     for k in draws[0][0]:
         if _is_sum_over_tokens(k):

@@ -33,7 +33,7 @@ def test_mhc_logit_jacobian_within_the_stated_bound(scale, eps):
     with torch.no_grad():
         for a, value in ((hc.a_pre, 0.3), (hc.a_post, -0.7), (hc.a_res, 1.1)):
             a.fill_(value)
-    token = (torch.randn(n, dim, dtype=torch.float64) * scale)
+    token = torch.randn(n, dim, dtype=torch.float64) * scale
     jac = torch.autograd.functional.jacobian(lambda t: logits_of_token(hc, t), token)  # [M, n, dim]
     jac = jac.reshape(jac.shape[0], n * dim).T  # [K, M], the layout of phi
     gates = torch.cat([hc.a_pre.expand(n), hc.a_post.expand(n), hc.a_res.expand(n * n)]).detach()
@@ -57,7 +57,7 @@ def test_hc_logit_jacobian_within_the_stated_bound(scale):
     # streams are normalised separately: logit k of stream s depends on stream s only
     gates = torch.cat([hc.a_pre.expand(1), hc.a_post.expand(1), hc.a_res.expand(n)]).detach()
     bound = jacobian_bound(hc.phi.detach(), gates, DEFAULT_RMS_EPS)  # [dim, n + 2]
-    pre, post, res = jac[:n], jac[n:2 * n], jac[2 * n:].reshape(n, n, n, dim)
+    pre, post, res = jac[:n], jac[n : 2 * n], jac[2 * n :].reshape(n, n, n, dim)
     for s in range(n):
         per_stream = torch.cat([pre[s, s][:, None], post[s, s][:, None], res[s, :, s].T], dim=1)  # [dim, n + 2]
         assert (per_stream.abs() <= bound * (1 + 1e-6)).all()
@@ -66,8 +66,7 @@ def test_hc_logit_jacobian_within_the_stated_bound(scale):
 def zero_token_layer(backend, dtype, eps=DEFAULT_RMS_EPS):
     """The example of the bug report: ``HyperConnection(64, 4, nn.Linear(64, 64), init="zero")``."""
     torch.manual_seed(0)
-    return HyperConnection(64, 4, nn.Linear(64, 64), init="zero", backend=backend, rms_eps=eps).to(
-        KERNEL_DEVICE, dtype)
+    return HyperConnection(64, 4, nn.Linear(64, 64), init="zero", backend=backend, rms_eps=eps).to(KERNEL_DEVICE, dtype)
 
 
 def input_gradient(layer, x, seed=1):

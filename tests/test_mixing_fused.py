@@ -14,11 +14,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc import kernels
 from mhc.kernels import mhc_coefficients
 from mhc.kernels._launch import forget_launch_plans
-from mhc.mixing import MAX_FUSED_STREAMS, MAX_STREAMS, HyperConnection, LaneMixer, StreamCollapse, collect_h_res, expand_streams
+from mhc.mixing import (
+    MAX_FUSED_STREAMS,
+    MAX_STREAMS,
+    HyperConnection,
+    LaneMixer,
+    StreamCollapse,
+    collect_h_res,
+    expand_streams,
+)
+from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 
 DEVICE = KERNEL_DEVICE
 
@@ -39,14 +47,16 @@ def layer_pair(dim, n, constraint="sinkhorn", dynamic=True, seed=0, scale=0.5, *
     torch.manual_seed(seed)
     branch = Branch(dim).to(DEVICE)
     init = "zero" if constraint == "sinkhorn" else "residual"
-    fused = HyperConnection(dim, n, branch, constraint=constraint, dynamic=dynamic, init=init,
-                            backend="triton", **kwargs).to(DEVICE)
+    fused = HyperConnection(
+        dim, n, branch, constraint=constraint, dynamic=dynamic, init=init, backend="triton", **kwargs
+    ).to(DEVICE)
     with torch.no_grad():
         for name, p in fused.named_parameters():
             if not name.startswith("branch"):
                 p.add_(torch.randn_like(p) * scale)
-    ref = HyperConnection(dim, n, branch, constraint=constraint, dynamic=dynamic, init=init,
-                          backend="torch", **kwargs).to(DEVICE)
+    ref = HyperConnection(
+        dim, n, branch, constraint=constraint, dynamic=dynamic, init=init, backend="torch", **kwargs
+    ).to(DEVICE)
     ref.load_state_dict(fused.state_dict())
     return fused, ref
 
@@ -68,11 +78,15 @@ def assert_all_close(got, want, rtol, atol):
 
 
 # every variant its own test: drawn by Hypothesis, the dynamic mHC path went unexercised in CI
-@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
+@pytest.mark.parametrize(
+    "constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)]
+)
 @given(
     # on a GPU every n compiles its own kernels: a few there, all of 1..8 in the interpreter
-    n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8), dim=st.sampled_from([1, 7, 24, 33]),
-    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2), seed=st.integers(0, 2**16),
+    n=st.sampled_from([1, 4]) if HAS_CUDA else st.integers(1, 8),
+    dim=st.sampled_from([1, 7, 24, 33]),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    seed=st.integers(0, 2**16),
 )
 def test_fused_matches_reference(constraint, dynamic, n, dim, lead, seed, nan_poison):
     fused, ref = layer_pair(dim, n, constraint, dynamic, seed)
@@ -82,9 +96,15 @@ def test_fused_matches_reference(constraint, dynamic, n, dim, lead, seed, nan_po
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("constraint, dynamic, backward", [
-    ("sinkhorn", True, "exact"), ("sinkhorn", True, "implicit"), ("sinkhorn", False, "exact"), ("none", True, "exact"),
-])
+@pytest.mark.parametrize(
+    "constraint, dynamic, backward",
+    [
+        ("sinkhorn", True, "exact"),
+        ("sinkhorn", True, "implicit"),
+        ("sinkhorn", False, "exact"),
+        ("none", True, "exact"),
+    ],
+)
 def test_sixteen_streams_and_implicit_backward(constraint, dynamic, backward):
     """n = 16 runs the mixing kernels' wide (3-D tile) path."""
     fused, ref = layer_pair(5, MAX_STREAMS, constraint, dynamic, seed=1, scale=0.2, backward=backward)
@@ -99,8 +119,9 @@ def _forced_split(monkeypatch, split: bool):
     """Run the coefficient forward split over K (with the tiles of n = 8) or in one pass, whatever
     n and d."""
     tiles = SPLIT_TILES
-    monkeypatch.setattr(mhc_coefficients, "coefficients_split_config",
-                        lambda n, d, tokens, sms: tiles if split else None)
+    monkeypatch.setattr(
+        mhc_coefficients, "coefficients_split_config", lambda n, d, tokens, sms: tiles if split else None
+    )
     forget_launch_plans()
 
 
@@ -126,8 +147,13 @@ def test_coefficient_forward_split_over_k_matches_one_pass(n, dim, tokens, hc_ep
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@given(tokens=st.integers(1, 10**6), K=st.integers(1, 10**5), block_t=st.sampled_from([32, 64, 128]),
-       block_k=st.sampled_from([16, 64, 128]), waves=st.integers(1, 8))
+@given(
+    tokens=st.integers(1, 10**6),
+    K=st.integers(1, 10**5),
+    block_t=st.sampled_from([32, 64, 128]),
+    block_k=st.sampled_from([16, 64, 128]),
+    waves=st.integers(1, 8),
+)
 def test_k_splits_cover_the_columns_once(tokens, K, block_t, block_k, waves):
     splits, k_split = mhc_coefficients.k_splits(tokens, K, block_t, block_k, waves, torch.device(DEVICE))
     assert splits >= 1 and k_split % block_k == 0
@@ -198,8 +224,9 @@ def _backward_graphs(module, x, grad):
         return make_boxed_func(gm.forward)
 
     def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                                     bw_compiler=keep_backward)
+        return aot_module_simplified(
+            gm, inputs, fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward
+        )
 
     torch._dynamo.reset()
     return backward, run(torch.compile(module, backend=backend, fullgraph=True), x, grad)
@@ -228,8 +255,11 @@ def test_compiled_sites_give_the_coefficient_backward_no_h_pre_gradient(chain):
     nodes = [node for gm in graphs for node in gm.graph.nodes]
     assert nodes
     aten = torch.ops.aten
-    made = [node.target for node in nodes
-            if node.target in (aten.zeros.default, aten.full.default, aten.zeros_like.default, aten.new_zeros.default)]
+    made = [
+        node.target
+        for node in nodes
+        if node.target in (aten.zeros.default, aten.full.default, aten.zeros_like.default, aten.new_zeros.default)
+    ]
     assert not made, f"the backward makes gradients of zeros: {made}"
     # the opaque op where it is one (CPU); a GPU's triton_op shows its kernels instead
     for node in nodes:
@@ -248,8 +278,10 @@ def test_fused_coefficients_give_h_pre_its_gradient():
         xi = x.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
         sum((c * w).sum() for c, w in zip(layer.coefficients(xi), weights)).backward()
-        grads[layer.backend] = {"x": xi.grad, **{k: p.grad for k, p in layer.named_parameters()
-                                                 if not k.startswith("branch")}}
+        grads[layer.backend] = {
+            "x": xi.grad,
+            **{k: p.grad for k, p in layer.named_parameters() if not k.startswith("branch")},
+        }
     assert_all_close(grads["triton"], grads["torch"], rtol=1e-4, atol=1e-5)
 
 
@@ -349,7 +381,9 @@ class CopiesOf(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)])
+@pytest.mark.parametrize(
+    "constraint, dynamic", [("sinkhorn", True), ("sinkhorn", False), ("none", True), ("none", False)]
+)
 @pytest.mark.parametrize("chained", [False, True])
 def test_expanded_streams_are_copied_once(constraint, dynamic, chained):
     """``expand_streams`` gives a stride-0 view; the fused path copies it once, where it enters the
@@ -531,7 +565,10 @@ def test_stream_collapse_fused_matches_reference(eps, nan_poison):
     grad = torch.randn(3, 7, 10, device=DEVICE)
     assert_all_close(run(fused, x, grad), run(ref, x, grad), rtol=2e-5, atol=2e-5)
     v = x.flatten(-2)
-    h = torch.sigmoid(fused.a_pre * (v @ fused.phi) / v.square().mean(-1, keepdim=True).add(1e-6).sqrt() + fused.b_pre) + eps
+    h = (
+        torch.sigmoid(fused.a_pre * (v @ fused.phi) / v.square().mean(-1, keepdim=True).add(1e-6).sqrt() + fused.b_pre)
+        + eps
+    )
     torch.testing.assert_close(fused(x), (h[..., None] * x).sum(-2), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"\[\.\.\., 4, 10\]"):
         fused(torch.zeros(3, 5, 10, device=DEVICE))

@@ -90,8 +90,10 @@ def test_fused_bf16_full_size_three_way():
     assert all(err <= 2 * err_ref + 1e-6 for err, err_ref in errors.values()), errors
 
 
-@pytest.mark.parametrize("dim, n, dtype", [(1024, 5, torch.bfloat16), (1000, 7, torch.bfloat16),
-                                           (4096, 8, torch.bfloat16), (1000, 6, torch.float16)])
+@pytest.mark.parametrize(
+    "dim, n, dtype",
+    [(1024, 5, torch.bfloat16), (1000, 7, torch.bfloat16), (4096, 8, torch.bfloat16), (1000, 6, torch.float16)],
+)
 def test_fused_five_to_eight_streams_three_way(dim, n, dtype):
     """n = 5..8 run the projection backward as two passes (``dx``, with a tf32 ``g @ phi^T`` for
     bf16, then ``dphi``): the output and the gradients of ``x`` and ``phi`` within the three-way

@@ -11,9 +11,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the example imports the toy LM's data and attention
 import moe_lanes  # noqa: E402
 
-TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--experts", "6", "--expert-dim", "32",
-        "--seq-len", "24", "--batch-size", "8", "--eval-batches", "2", "--log-every", "2",
-        "--device", "cpu"]
+TINY = [
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--experts",
+    "6",
+    "--expert-dim",
+    "32",
+    "--seq-len",
+    "24",
+    "--batch-size",
+    "8",
+    "--eval-batches",
+    "2",
+    "--log-every",
+    "2",
+    "--device",
+    "cpu",
+]
 
 
 def test_quick_path_learns_and_writes_everything(tmp_path):
@@ -41,8 +60,9 @@ def test_static_mixer_reports_its_matrix(tmp_path):
     torch.testing.assert_close(mats.sum(-1), torch.ones(2, 6), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags, message", [(["--experts", "1"], "--experts must be >= 2"),
-                                            (["--experts", "65"], "--experts must be <= 64")])
+@pytest.mark.parametrize(
+    "flags, message", [(["--experts", "1"], "--experts must be >= 2"), (["--experts", "65"], "--experts must be <= 64")]
+)
 def test_bad_flags_exit_with_a_clear_message(flags, message, capsys):
     with pytest.raises(SystemExit):
         moe_lanes.parse_args(flags)

@@ -6,8 +6,14 @@ import mhc
 
 HOMES = {
     "mhc.layer": ["FusedMHC", "sinkhorn"],
-    "mhc.mixing": ["HyperConnection", "LaneMixer", "StreamCollapse", "StreamExpand", "expand_streams",
-                   "reduce_streams"],
+    "mhc.mixing": [
+        "HyperConnection",
+        "LaneMixer",
+        "StreamCollapse",
+        "StreamExpand",
+        "expand_streams",
+        "reduce_streams",
+    ],
     "mhc.recompute": ["recompute_streams"],
     "mhc.checkpoint": ["checkpoint_layers", "checkpoint_policy"],
     "mhc.losses": ["LinearCrossEntropy", "linear_cross_entropy"],

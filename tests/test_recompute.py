@@ -173,7 +173,7 @@ def test_streams_changed_between_split_and_finish_are_kept():
     model = stack(["mhc"] * 3, "torch", dtype=torch.float64)
     first, middle, last = model.sites
     h = torch.randn(2, 8, dtype=torch.float64, device=KERNEL_DEVICE, requires_grad=True)
-    scale = 1.0 + 2.0 ** -10
+    scale = 1.0 + 2.0**-10
 
     def loss(x):
         return reduce_streams(last(x)).square().sum()

@@ -33,14 +33,20 @@ def fp64_gradient(logits, grad_out, iters, eps):
     return x.grad
 
 
-@given(n=st.integers(1, 6), iters=st.integers(1, 25), eps=st.sampled_from([0.0, 1e-6, 1e-3, 0.1]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 6),
+    iters=st.integers(1, 25),
+    eps=st.sampled_from([0.0, 1e-6, 1e-3, 0.1]),
+    seed=st.integers(0, 2**16),
+)
 def test_reference_is_deepseek_v4_transposed(n, iters, eps, seed):
     x = random_logits((3, n, n), 2.0, seed, device="cpu")
     got = reference.sinkhorn_eps(x.transpose(-1, -2), iters, eps).transpose(-1, -2)
     torch.testing.assert_close(got, deepseek_v4_comb(x, iters, eps), rtol=0, atol=1e-14)
     if eps == 0:
-        torch.testing.assert_close(reference.sinkhorn_eps(x, iters, 0.0), reference.sinkhorn_stable(x, iters),
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            reference.sinkhorn_eps(x, iters, 0.0), reference.sinkhorn_stable(x, iters), rtol=0, atol=1e-12
+        )
 
 
 def test_eps_rows_sum_below_one():
@@ -52,16 +58,21 @@ def test_eps_rows_sum_below_one():
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @given(
-    n=st.integers(1, MAX_EPS_N), lead=st.lists(st.integers(0, 4), min_size=0, max_size=2), iters=st.integers(1, 21),
-    scale=st.floats(0.01, 6.0), eps=st.sampled_from([1e-6, 1e-4, 1e-2, 0.3]), seed=st.integers(0, 2**16),
+    n=st.integers(1, MAX_EPS_N),
+    lead=st.lists(st.integers(0, 4), min_size=0, max_size=2),
+    iters=st.integers(1, 21),
+    scale=st.floats(0.01, 6.0),
+    eps=st.sampled_from([1e-6, 1e-4, 1e-2, 0.3]),
+    seed=st.integers(0, 2**16),
 )
 def test_matches_fp64_reference_forward_and_gradient(backend, n, lead, iters, scale, eps, seed):
     x = random_logits((*lead, n, n), scale, seed, dtype=torch.float32).requires_grad_()
     g = random_logits((*lead, n, n), 1.0, seed + 1, dtype=torch.float32)
     out = sinkhorn(x, iters, backend=backend, eps=eps)
     assert out.shape == x.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out.cpu().double(), reference.sinkhorn_eps(x.detach().cpu().double(), iters, eps),
-                               rtol=0, atol=3e-6)
+    torch.testing.assert_close(
+        out.cpu().double(), reference.sinkhorn_eps(x.detach().cpu().double(), iters, eps), rtol=0, atol=3e-6
+    )
     (dx,) = torch.autograd.grad(out, x, g)
     want = fp64_gradient(x, g, iters, eps)
     scale = max(1.0, want.abs().amax().item()) if want.numel() else 1.0
@@ -74,8 +85,9 @@ def test_dtypes_in_and_out(dtype, nan_poison):
     out = sinkhorn(x, 20, backend="triton", eps=1e-6)
     assert out.dtype == dtype
     tol = 1e-12 if dtype == torch.float64 else 1e-2
-    torch.testing.assert_close(out.double().cpu(), reference.sinkhorn_eps(x.detach().double().cpu(), 20, 1e-6),
-                               rtol=0, atol=tol)
+    torch.testing.assert_close(
+        out.double().cpu(), reference.sinkhorn_eps(x.detach().double().cpu(), 20, 1e-6), rtol=0, atol=tol
+    )
     out.backward(torch.randn_like(out))
     assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
 
@@ -87,8 +99,9 @@ def test_non_finite_logits_act_per_matrix():
     out = sinkhorn(x, 20, backend="triton", eps=1e-3)
     assert torch.isnan(out[0]).all()
     assert torch.isfinite(out[1:]).all()
-    torch.testing.assert_close(out[1:].cpu().double(), reference.sinkhorn_eps(x[1:].cpu().double(), 20, 1e-3),
-                               rtol=0, atol=2e-6)
+    torch.testing.assert_close(
+        out[1:].cpu().double(), reference.sinkhorn_eps(x[1:].cpu().double(), 20, 1e-3), rtol=0, atol=2e-6
+    )
 
 
 def test_settings_and_limits_raise():

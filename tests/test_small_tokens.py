@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from mhc.kernels import mhc_coefficients, stream_mix
 from mhc.kernels._launch import forget_launch_plans
+from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 
 DEVICE = KERNEL_DEVICE
 N = 4
@@ -45,8 +45,12 @@ def _inputs(tokens, seed):
     return x, phi, alpha, bias
 
 
-@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16),
-       d=st.sampled_from([16, 128, 255, 256, 1024, 4095, 4096, 7168]))
+@given(
+    tokens=st.integers(1, 10**6),
+    sms=st.integers(1, 200),
+    n=st.integers(1, 16),
+    d=st.sampled_from([16, 128, 255, 256, 1024, 4095, 4096, 7168]),
+)
 def test_the_split_is_chosen_where_one_pass_programs_are_fewer_than_sms(tokens, sms, n, d):
     config = mhc_coefficients.coefficients_split_config(n, d, tokens, sms)
     few = -(-tokens // TILE) <= sms
@@ -74,8 +78,13 @@ def test_a_symbolic_token_count_takes_the_rule_for_many_tokens():
     assert mhc_coefficients.coefficients_split_config(4, 4096, tokens, SMS) == LARGE_SPLIT
 
 
-@given(tokens=st.integers(1, 10**6), block_t=st.sampled_from([16, 64, 128]), waves=st.integers(1, 12),
-       chunks=st.integers(1, 2048), sms=st.integers(1, 200))
+@given(
+    tokens=st.integers(1, 10**6),
+    block_t=st.sampled_from([16, 64, 128]),
+    waves=st.integers(1, 12),
+    chunks=st.integers(1, 2048),
+    sms=st.integers(1, 200),
+)
 def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, sms, monkeypatch):
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: sms)
     blocks = -(-tokens // block_t)
@@ -85,10 +94,17 @@ def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, 
     assert splits <= max(1, round(waves * sms / chunks))
 
 
-@given(tokens=st.integers(1, 10**6), block_t=st.sampled_from([16, 64, 128]), waves=st.integers(1, 12),
-       chunks=st.integers(1, 2048), sms=st.integers(1, 200), resident=st.integers(1, 4))
-def test_token_splits_fill_whole_rounds_of_resident_programs(tokens, block_t, waves, chunks, sms, resident,
-                                                              monkeypatch):
+@given(
+    tokens=st.integers(1, 10**6),
+    block_t=st.sampled_from([16, 64, 128]),
+    waves=st.integers(1, 12),
+    chunks=st.integers(1, 2048),
+    sms=st.integers(1, 200),
+    resident=st.integers(1, 4),
+)
+def test_token_splits_fill_whole_rounds_of_resident_programs(
+    tokens, block_t, waves, chunks, sms, resident, monkeypatch
+):
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: sms)
     device = torch.device(DEVICE)
     blocks = -(-tokens // block_t)
@@ -99,32 +115,46 @@ def test_token_splits_fill_whole_rounds_of_resident_programs(tokens, block_t, wa
         return -(-chunks * s // (resident * sms)) * -(-blocks // s)
 
     assert 1 <= splits <= most
-    assert all(finish(splits) < finish(s) or (finish(splits) == finish(s) and splits <= s)
-               for s in range(1, most + 1))
+    assert all(finish(splits) < finish(s) or (finish(splits) == finish(s) and splits <= s) for s in range(1, most + 1))
 
 
-@pytest.mark.parametrize("dim, tokens, splits", [
-    (1024, 1024, 4), (1024, 2048, 6), (1024, 4096, 6), (1024, 16384, 6),
-    (4096, 1024, 3), (4096, 2048, 3), (4096, 4096, 3), (4096, 16384, 3),
-])
+@pytest.mark.parametrize(
+    "dim, tokens, splits",
+    [
+        (1024, 1024, 4),
+        (1024, 2048, 6),
+        (1024, 4096, 6),
+        (1024, 16384, 6),
+        (4096, 1024, 3),
+        (4096, 2048, 3),
+        (4096, 4096, 3),
+        (4096, 16384, 3),
+    ],
+)
 def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
     """The choices measured best on an H100 (n = 4: 3 resident programs per SM;
     ``tune_mixing.py small-tokens-projection``, docs/small_tokens.md)."""
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
     block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
-        N, dim, torch.bfloat16, True, True, "tf32", "both")
+        N, dim, torch.bfloat16, True, True, "tf32", "both"
+    )
     assert resident == 3
     chunks = N * -(-dim // block_d)
     assert mhc_coefficients.token_splits(tokens, block_t, waves, chunks, torch.device(DEVICE), resident) == splits
 
 
-@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16),
-       d=st.sampled_from([16, 128, 255, 1024, 4095, 4096, 7168]))
+@given(
+    tokens=st.integers(1, 10**6),
+    sms=st.integers(1, 200),
+    n=st.integers(1, 16),
+    d=st.sampled_from([16, 128, 255, 1024, 4095, 4096, 7168]),
+)
 def test_the_coefficient_gradient_takes_one_token_tiles_where_four_token_tiles_are_few(tokens, sms, n, d):
     block_t, block_d, _ = mhc_coefficients.coefficient_grad_config(n, d, tokens, sms)
     few = n <= 4 and -(-tokens // 4) < mhc_coefficients.GRAD_WAVES * sms
-    assert (block_t, block_d) == ((1, min(1024, 1 << (d - 1).bit_length())) if few
-                                  else (4, min(128, 1 << (d - 1).bit_length())))
+    assert (block_t, block_d) == (
+        (1, min(1024, 1 << (d - 1).bit_length())) if few else (4, min(128, 1 << (d - 1).bit_length()))
+    )
 
 
 def test_the_coefficient_gradient_rule_boundary_and_a_symbolic_count():
@@ -134,8 +164,10 @@ def test_the_coefficient_gradient_rule_boundary_and_a_symbolic_count():
     assert mhc_coefficients.coefficient_grad_config(N, 4096, ShapeEnv().create_unbacked_symint(), SMS)[0] == 4
 
 
-GRAD_TILES = {"one token": mhc_coefficients.coefficient_grad_config(N, DIM, 1, SMS),
-              "four tokens": mhc_coefficients.coefficient_grad_config(N, DIM, 10**6, SMS)}
+GRAD_TILES = {
+    "one token": mhc_coefficients.coefficient_grad_config(N, DIM, 1, SMS),
+    "four tokens": mhc_coefficients.coefficient_grad_config(N, DIM, 10**6, SMS),
+}
 
 
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65] + ([1024, 4096] if HAS_CUDA else []))
@@ -169,8 +201,10 @@ FORWARD_CASES = [(t, e) for t in BOUNDARY_TOKENS for e in (0.0, 1e-6) if HAS_CUD
 def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_sms, monkeypatch, nan_poison):
     x, phi, alpha, bias = _inputs(tokens, seed=tokens)
     if HAS_CUDA:  # the launcher's own choice at the model width
-        assert mhc_coefficients.coefficients_split_config(N, DIM, tokens, mhc_coefficients.sm_count(x.device)) \
+        assert (
+            mhc_coefficients.coefficients_split_config(N, DIM, tokens, mhc_coefficients.sm_count(x.device))
             == SMALL_SPLIT
+        )
     outputs = {}
     monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)  # the split's small-token finish
     for split in (None, SMALL_SPLIT):
@@ -227,7 +261,8 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     forget_launch_plans()
     single = backward()
     block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
-        N, DIM, x.dtype, False, False, "tf32", "both")
+        N, DIM, x.dtype, False, False, "tf32", "both"
+    )
     splits = token_splits(tokens, block_t, waves, N * -(-DIM // block_d), x.device, resident)
     if tokens >= 449:
         assert splits > 1  # the partial dphi of several splits are added
@@ -240,8 +275,13 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
 # ------------------------------------------------------------------ the stream-mix backward's split of D
 
 
-@given(tokens=st.integers(1, 10**6), sms=st.integers(1, 200), n=st.integers(1, 16), one_out=st.booleans(),
-       d=st.sampled_from([16, 255, 1024, 2047, 2048, 4096, 7168, 16384]))
+@given(
+    tokens=st.integers(1, 10**6),
+    sms=st.integers(1, 200),
+    n=st.integers(1, 16),
+    one_out=st.booleans(),
+    d=st.sampled_from([16, 255, 1024, 2047, 2048, 4096, 7168, 16384]),
+)
 def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, one_out, d):
     n_out = 1 if one_out else n
     splits = stream_mix.bwd_d_splits(n, n_out, d, tokens, sms)
@@ -265,9 +305,20 @@ def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, on
 
 # (d, tokens, ranges) of the one-stream pre-mix swept on an H100 (132 SMs): the fastest count, or
 # within 1% of it (docs/benchmarks/small_tokens_split_sweep_h100.log, small_tokens_pre_mix_ranges_h100.log)
-PRE_MIX_SWEPT = [(1024, 512, 2), (1024, 1024, 2), (1024, 2048, 2), (1024, 4096, 1), (2048, 512, 4),
-                 (2048, 1024, 4), (2048, 2048, 2), (2048, 4096, 1), (4096, 512, 8), (4096, 1024, 4),
-                 (4096, 2048, 2), (4096, 4096, 1)]
+PRE_MIX_SWEPT = [
+    (1024, 512, 2),
+    (1024, 1024, 2),
+    (1024, 2048, 2),
+    (1024, 4096, 1),
+    (2048, 512, 4),
+    (2048, 1024, 4),
+    (2048, 2048, 2),
+    (2048, 4096, 1),
+    (4096, 512, 8),
+    (4096, 1024, 4),
+    (4096, 2048, 2),
+    (4096, 4096, 1),
+]
 
 
 @pytest.mark.parametrize("d, tokens, ranges", PRE_MIX_SWEPT)

@@ -20,8 +20,25 @@ spec = importlib.util.spec_from_file_location("train_toy_lm", SCRIPT)
 toy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(toy)
 
-TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "24", "--batch-size", "8",
-        "--eval-batches", "2", "--log-every", "2", "--no-progress", "--device", "cpu"]
+TINY = [
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "24",
+    "--batch-size",
+    "8",
+    "--eval-batches",
+    "2",
+    "--log-every",
+    "2",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 
 def records(path):
@@ -81,7 +98,10 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
         toy.main(common + ["--out-dir", str(tmp_path / "resumed")])
     monkeypatch.setattr(toy, "batch_for_step", batch_for_step)
     toy.main(common + ["--out-dir", str(tmp_path / "resumed"), "--resume"])
-    straight, resumed = final_params(tmp_path / "straight/mhc_seed0.pt"), final_params(tmp_path / "resumed/mhc_seed0.pt")
+    straight, resumed = (
+        final_params(tmp_path / "straight/mhc_seed0.pt"),
+        final_params(tmp_path / "resumed/mhc_seed0.pt"),
+    )
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
     steps = [r["step"] for r in records(tmp_path / "resumed/mhc_seed0.jsonl")]
@@ -92,7 +112,9 @@ def test_fused_loss_matches_torch_loss(tmp_path):
     losses = {}
     for loss in ("torch", "fused"):
         out = tmp_path / loss
-        toy.main(["--residual", "mhc", "--steps", "4", "--eval-every", "4", "--loss", loss, "--out-dir", str(out)] + TINY)
+        toy.main(
+            ["--residual", "mhc", "--steps", "4", "--eval-every", "4", "--loss", loss, "--out-dir", str(out)] + TINY
+        )
         losses[loss] = [r["train_loss"] for r in records(out / "mhc_seed0.jsonl")]
     torch.testing.assert_close(torch.tensor(losses["fused"]), torch.tensor(losses["torch"]), atol=1e-4, rtol=1e-4)
 
@@ -100,7 +122,10 @@ def test_fused_loss_matches_torch_loss(tmp_path):
 def test_text_file_data(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    toy.main(["--residual", "baseline", "--text", str(text), "--steps", "4", "--eval-every", "4", "--out-dir", str(tmp_path)] + TINY)
+    toy.main(
+        ["--residual", "baseline", "--text", str(text), "--steps", "4", "--eval-every", "4", "--out-dir", str(tmp_path)]
+        + TINY
+    )
     log = records(tmp_path / "baseline_seed0.jsonl")
     assert log[-1]["optimum"] is None and 0 < log[-1]["val_loss"] < 6.0
     assert "| baseline |" in (tmp_path / "summary.md").read_text()
@@ -148,9 +173,17 @@ def test_two_processes_equal_one(tmp_path, engine):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     flags = ["--fsdp"] if engine == "fsdp" else []
     torchrun([SCRIPT] + args + flags + ["--out-dir", tmp_path / engine], env=env, cwd=ROOT, timeout=300)
-    subprocess.run([sys.executable, str(SCRIPT)] + args + ["--out-dir", str(tmp_path / "single")], check=True,
-                   env=env, cwd=ROOT, timeout=300)
-    params, single_params = final_params(tmp_path / engine / "mhc_seed0.pt"), final_params(tmp_path / "single/mhc_seed0.pt")
+    subprocess.run(
+        [sys.executable, str(SCRIPT)] + args + ["--out-dir", str(tmp_path / "single")],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    params, single_params = (
+        final_params(tmp_path / engine / "mhc_seed0.pt"),
+        final_params(tmp_path / "single/mhc_seed0.pt"),
+    )
     assert params.keys() == single_params.keys()
     for key in single_params:
         torch.testing.assert_close(params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
@@ -186,7 +219,10 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
     args = ["--residual", "mhc", "--steps", "4", "--eval-every", "4"] + TINY
     toy.main(args + ["--out-dir", str(tmp_path / "plain")])
     toy.main(args + ["--checkpoint-activations", "--out-dir", str(tmp_path / "checkpointed")])
-    plain, checkpointed = final_params(tmp_path / "plain/mhc_seed0.pt"), final_params(tmp_path / "checkpointed/mhc_seed0.pt")
+    plain, checkpointed = (
+        final_params(tmp_path / "plain/mhc_seed0.pt"),
+        final_params(tmp_path / "checkpointed/mhc_seed0.pt"),
+    )
     for key in plain:
         assert torch.equal(plain[key], checkpointed[key]), key
     losses = [[r["train_loss"] for r in records(tmp_path / d / "mhc_seed0.jsonl")] for d in ("plain", "checkpointed")]
@@ -196,9 +232,38 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
 @pytest.mark.gpu
 def test_gpu_path_with_kernels_and_fused_loss(tmp_path):
     """The GPU preset's path: bf16 autocast, Triton Sinkhorn kernels, fused loss; it learns."""
-    toy.main(["--preset", "gpu", "--compare", "--steps", "100", "--eval-every", "50", "--dim", "64",
-              "--layers", "2", "--heads", "2", "--seq-len", "64", "--batch-size", "16", "--eval-batches", "2",
-              "--vocab", "16", "--lr", "1e-2", "--no-progress", "--device", "cuda", "--out-dir", str(tmp_path)])
+    toy.main(
+        [
+            "--preset",
+            "gpu",
+            "--compare",
+            "--steps",
+            "100",
+            "--eval-every",
+            "50",
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "16",
+            "--eval-batches",
+            "2",
+            "--vocab",
+            "16",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--device",
+            "cuda",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     for arm in toy.ARMS:
         log = records(tmp_path / f"{arm}_seed0.jsonl")
         assert log[-1]["val_loss"] < math.log(16) - 0.15  # below the uniform guess

@@ -8,9 +8,31 @@ import sys
 
 
 def test_driver_runs_every_arm_on_one_and_two_processes(tmp_path):
-    cmd = [sys.executable, "scripts/weak_scaling.py", "--gpus", "1", "2", "--tokens", "64", "--runs", "1",
-           "--steps", "1", "--warmup", "1", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "32",
-           "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "scripts/weak_scaling.py",
+        "--gpus",
+        "1",
+        "2",
+        "--tokens",
+        "64",
+        "--runs",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--dim",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--seq",
+        "32",
+        "--out",
+        str(tmp_path),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on the CPU, whatever the machine has
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env=env)
     with open(tmp_path / "scaling.csv") as f:

@@ -161,8 +161,14 @@ def test_install_wraps_once_and_can_be_turned_off(monkeypatch):
 def _trace(cache: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MHC_WRITE_ANALYSIS_CACHE"] = "1" if cache else "0"
-    run = subprocess.run([sys.executable, "-m", "tests.write_analysis_trace", "3"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.write_analysis_trace", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -172,8 +178,12 @@ def test_traced_sites_get_pytorchs_answers_from_one_generation_per_kernel():
     cached, uncached = _trace(cache=True), _trace(cache=False)
     assert cached["triton_op"] and cached["cached"] and not uncached["cached"]
     kernels = {name for name, _ in cached["answers"]}
-    assert {"coefficients_fwd_kernel", "stream_mix_fwd_kernel", "stream_mix_bwd_kernel",
-            "sinkhorn_bwd_kernel"} <= kernels
+    assert {
+        "coefficients_fwd_kernel",
+        "stream_mix_fwd_kernel",
+        "stream_mix_bwd_kernel",
+        "sinkhorn_bwd_kernel",
+    } <= kernels
     assert cached["answers"] == uncached["answers"]  # every call, in order
     assert uncached["generations"] == len(uncached["answers"]) > len(kernels)
     assert cached["generations"] == len(kernels)  # three sites of one shape: one per kernel

@@ -17,16 +17,20 @@ CRASH_SIGNATURES = ("Signal 11 (SIGSEGV)", "Signal 6 (SIGABRT)")
 def torchrun(script_and_args, *, env, cwd, timeout) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc_per_node=2 ...``; raises
     ``AssertionError`` with the output's tail when the launch fails (twice if it crashed)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *map(str, script_and_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *map(str, script_and_args),
+    ]
     for attempt in range(2):
-        done = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=True,
-                              text=True)
+        done = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
         if done.returncode == 0:
             return done
         crashed = any(sig in done.stderr for sig in CRASH_SIGNATURES)
         if not crashed or attempt == 1:
             break
         warnings.warn(f"a gloo worker died by a signal; retrying once:\n{done.stderr[-1500:]}")
-    raise AssertionError(f"torchrun failed (exit {done.returncode}):\n"
-                         f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    raise AssertionError(f"torchrun failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")

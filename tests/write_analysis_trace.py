@@ -1,6 +1,7 @@
 """Trace the compiled forward and backward of a few HyperConnection sites on the CPU, through
 functionalization, and print what PyTorch's write analysis answered for every kernel call and how
-many TTIR generations it took, as JSON, with the seconds the trace and the generations took. Run by ``tests/test_write_analysis.py`` in a subprocess:
+many TTIR generations it took, as JSON, with the seconds the trace and the generations took.
+Run by ``tests/test_write_analysis.py`` in a subprocess:
 the kernels must be real ``JITFunction``\\ s (no ``TRITON_INTERPRET``), and a stand-in driver gives
 Triton a Hopper target, so the TTIR is generated without a GPU. CPU tensors stand in for CUDA ones;
 no kernel runs (the trace stops before the compiled graph would).
@@ -93,9 +94,18 @@ def main():
         if "Traced" not in repr(e):
             raise
     seconds = time.perf_counter() - start
-    print(json.dumps(dict(triton_op=_library.TRITON_OP, cached=hasattr(analysis, "mhc_uncached"),
-                          generations=generations[0], generation_seconds=round(generating[0], 2),
-                          trace_seconds=round(seconds, 2), answers=answers)))
+    print(
+        json.dumps(
+            dict(
+                triton_op=_library.TRITON_OP,
+                cached=hasattr(analysis, "mhc_uncached"),
+                generations=generations[0],
+                generation_seconds=round(generating[0], 2),
+                trace_seconds=round(seconds, 2),
+                answers=answers,
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

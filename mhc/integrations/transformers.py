@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from mhc.coefficients import DYNAMIC_MHC
 from mhc._checks import BACKENDS, MAX_EPS_N, MAX_STREAMS
+from mhc.coefficients import DYNAMIC_MHC
 from mhc.mixing import stream_collapse
 from mhc.recompute import recompute_streams
 from mhc.sites import Site
@@ -38,8 +38,7 @@ def _deepseek_v4():
         from transformers.models.deepseek_v4 import modeling_deepseek_v4
     except ImportError as e:
         raise ImportError(
-            "patch_deepseek_v4 needs transformers with DeepSeek-V4 (5.23 or newer): "
-            'pip install -e ".[transformers]"'
+            'patch_deepseek_v4 needs transformers with DeepSeek-V4 (5.23 or newer): pip install -e ".[transformers]"'
         ) from e
     return modeling_deepseek_v4
 
@@ -52,9 +51,9 @@ def _v4_parameters(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n:
     ``fn``'s rows and ``base`` are ``[pre | post | comb]`` with ``comb[p, q]`` at ``2n + p n + q``;
     ``mhc``'s ``h_res[t, s] = comb[s, t]`` (V4 mixes ``out[q] = sum_p comb[p, q] x[p]``)."""
     k = fn.shape[1]
-    comb_t = fn[2 * n:].view(n, n, k).transpose(0, 1).reshape(n * n, k)
+    comb_t = fn[2 * n :].view(n, n, k).transpose(0, 1).reshape(n * n, k)
     phi = torch.cat([fn[: 2 * n], comb_t], dim=0).t()
-    bias = torch.cat([base[: 2 * n], base[2 * n:].view(n, n).t().reshape(n * n)])
+    bias = torch.cat([base[: 2 * n], base[2 * n :].view(n, n).t().reshape(n * n)])
     return phi, scale, bias
 
 
@@ -110,8 +109,9 @@ def _patched_classes():
         """``DeepseekV4HyperHead`` as :func:`mhc.mixing.stream_collapse` over its own parameters."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return stream_collapse(x, self.hc_fn.t(), self.hc_scale, self.hc_base, self.input_norm.eps, self.eps,
-                                   self.backend)
+            return stream_collapse(
+                x, self.hc_fn.t(), self.hc_scale, self.hc_base, self.input_norm.eps, self.eps, self.backend
+            )
 
     _PATCHED.update(hc=MHCDeepseekV4HyperConnection, layer=MHCDeepseekV4DecoderLayer, head=MHCDeepseekV4HyperHead)
     return _PATCHED
@@ -147,7 +147,9 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, (v4.DeepseekV4ForCausalLM, v4.DeepseekV4Model)):
-        raise TypeError(f"patch_deepseek_v4 takes a DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+        raise TypeError(
+            f"patch_deepseek_v4 takes a DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}"
+        )
     if not isinstance(recompute, (bool, int)):
         raise TypeError(f"recompute must be a bool or an int, got {type(recompute).__name__}")
     if recompute is not False and recompute is not True and recompute < 1:

@@ -109,7 +109,7 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
     cached = _CACHE.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
-        names = kernel.arg_names[len(args):]
+        names = kernel.arg_names[len(args) :]
         _CACHE[key] = _Cached(compiled, tuple(meta[name] for name in names))
         return
     compiled = cached.kernel
@@ -123,12 +123,34 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
         # and asks the driver about the address (cuPointerGetAttribute), argument by argument
         for out in outputs:
             addresses.append(out.data_ptr())
-        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *addresses, *scalars, *cached.constexprs)
+        compiled.run(
+            grid[0],
+            grid_1,
+            grid_2,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *addresses,
+            *scalars,
+            *cached.constexprs,
+        )
         return
     full = (*args, *cached.constexprs)  # a hook may read the tensors (a profiler: their sizes)
-    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *full), enter, leave, *full)
+    compiled.run(
+        grid[0],
+        grid_1,
+        grid_2,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *full),
+        enter,
+        leave,
+        *full,
+    )
 
 
 # launch options that torch.library.wrap_triton takes as keywords; others (maxnreg) go into a

@@ -70,9 +70,22 @@ def _softcap(logits, softcap):
 
 @triton.jit
 def _logits_tile(
-    x_src, w_src, row0, col0, row_ok, col_ok, D, stride_x, stride_w,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    x_src,
+    w_src,
+    row0,
+    col0,
+    row_ok,
+    col_ok,
+    D,
+    stride_x,
+    stride_w,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """``x[row0:] @ W[col0:]^T``: ``[BLOCK_N, BLOCK_V]`` fp32; rows, columns out of range read as 0.
 
@@ -111,12 +124,35 @@ def _logits_tile(
 
 @triton.jit
 def lse_partials_kernel(
-    x_src, w_src, b_ptr, t_ptr, cw_ptr, max_ptr, sum_ptr, target_logit_ptr, smooth_ptr,
-    N, V, D, stride_x, stride_w, blocks_per_split, n_splits, softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
-    HAS_CLASS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr,
+    x_src,
+    w_src,
+    b_ptr,
+    t_ptr,
+    cw_ptr,
+    max_ptr,
+    sum_ptr,
+    target_logit_ptr,
+    smooth_ptr,
+    N,
+    V,
+    D,
+    stride_x,
+    stride_w,
+    blocks_per_split,
+    n_splits,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Per (row block, vocabulary range): running max, sum of exp and the target's logit, and
     with ``SMOOTH`` the class-weighted sum of the logits (label smoothing's term). Logits are
@@ -134,9 +170,24 @@ def lse_partials_kernel(
     for vb in range(first, last):
         cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        logits = _logits_tile(x_src, w_src, row_block * BLOCK_N, vb * BLOCK_V, row_ok, col_ok, D,
-                              stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION,
-                              UPCAST, TMA)
+        logits = _logits_tile(
+            x_src,
+            w_src,
+            row_block * BLOCK_N,
+            vb * BLOCK_V,
+            row_ok,
+            col_ok,
+            D,
+            stride_x,
+            stride_w,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            EVEN_D,
+            PRECISION,
+            UPCAST,
+            TMA,
+        )
         if HAS_BIAS:
             logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if SOFTCAP:
@@ -150,8 +201,7 @@ def lse_partials_kernel(
         logits = tl.where(col_ok[None, :], logits, float("-inf"))
         # every block holds at least one real column, so new_max is finite
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
-            tl.exp(logits - new_max[:, None]), axis=1)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
         run_max = new_max
         is_target = cols[None, :] == target[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
@@ -165,25 +215,65 @@ def lse_partials_kernel(
 
 @triton.jit
 def grad_logits_kernel(
-    x_src, w_src, b_ptr, t_ptr, cw_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    smooth_scale_ptr, g_ptr, N, D, col_start, col_end, stride_x, stride_w, stride_g, softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
-    HAS_CLASS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr,
+    x_src,
+    w_src,
+    b_ptr,
+    t_ptr,
+    cw_ptr,
+    lse_ptr,
+    prob_scale_ptr,
+    target_scale_ptr,
+    smooth_scale_ptr,
+    g_ptr,
+    N,
+    D,
+    col_start,
+    col_end,
+    stride_x,
+    stride_w,
+    stride_g,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One chunk of the logits' gradient, columns ``[col_start, col_end)``:
     ``G = prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight``, times
     ``1 - tanh^2`` of the soft-cap with ``SOFTCAP`` (the coefficients are per row)."""
     row_block, col_block = _grouped_tile(
-        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(col_end - col_start, BLOCK_V), GROUP)
+        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(col_end - col_start, BLOCK_V), GROUP
+    )
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = col_start + col_block * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < col_end
-    logits = _logits_tile(x_src, w_src, row_block * BLOCK_N, col_start + col_block * BLOCK_V,
-                          row_ok, col_ok, D, stride_x, stride_w,
-                          BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, PRECISION, UPCAST, TMA)
+    logits = _logits_tile(
+        x_src,
+        w_src,
+        row_block * BLOCK_N,
+        col_start + col_block * BLOCK_V,
+        row_ok,
+        col_ok,
+        D,
+        stride_x,
+        stride_w,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        EVEN_D,
+        PRECISION,
+        UPCAST,
+        TMA,
+    )
     if HAS_BIAS:
         logits += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:
@@ -193,8 +283,7 @@ def grad_logits_kernel(
     target_scale = tl.load(target_scale_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
     is_target = cols[None, :] == target[:, None]
-    grad = (tl.exp(logits - lse[:, None]) * prob_scale[:, None]
-            - tl.where(is_target, target_scale[:, None], 0.0))
+    grad = tl.exp(logits - lse[:, None]) * prob_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
     if SMOOTH:
         smooth_scale = tl.load(smooth_scale_ptr + rows, mask=row_ok, other=0.0)
         if HAS_CLASS_WEIGHT:
@@ -210,13 +299,24 @@ def grad_logits_kernel(
 
 @triton.jit
 def grad_input_kernel(
-    g_ptr, w_ptr, dx_ptr, N, D, K, stride_g, stride_w, stride_dx,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    g_ptr,
+    w_ptr,
+    dx_ptr,
+    N,
+    D,
+    K,
+    stride_g,
+    stride_w,
+    stride_dx,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """``dx[N, D] += G[N, K] @ W[K, D]`` with ``dx`` fp32 (``w_ptr`` at the chunk's first row)."""
-    row_block, col_block = _grouped_tile(
-        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(D, BLOCK_D), GROUP)
+    row_block, col_block = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(D, BLOCK_D), GROUP)
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < N
@@ -264,13 +364,15 @@ def _precision(dtype: torch.dtype) -> str:
 def _sources(x, weight, block_n, block_v, block_d):
     """Tensor descriptors for x and W where the copy engine can fetch their tiles (Hopper or
     newer, or the interpreter; 16-byte aligned rows), else the tensors themselves; and which."""
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                  for t in (x, weight))
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
     hopper = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
     if TensorDescriptor is None or not (aligned and hopper and USE_TMA):
         return x, weight, False
-    return (TensorDescriptor.from_tensor(x, [block_n, block_d]),
-            TensorDescriptor.from_tensor(weight, [block_v, block_d]), True)
+    return (
+        TensorDescriptor.from_tensor(x, [block_n, block_d]),
+        TensorDescriptor.from_tensor(weight, [block_v, block_d]),
+        True,
+    )
 
 
 def _upcast(x: torch.Tensor) -> bool:
@@ -293,8 +395,12 @@ def _tiles(x: torch.Tensor) -> dict:
 # (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages). The soft-cap's
 # epilogue spills registers with grad_logits' tile (16.7 ms for G over V = 128256 at N = 8192,
 # D = 4096, against 14.5 ms with its own; 13.9 ms without the soft-cap).
-TILES_16BIT = dict(lse=(128, 256, 64, 8, 3), grad_logits=(256, 128, 64, 8, 4),
-                   grad_logits_softcap=(128, 256, 64, 8, 3), grad_input=(128, 256, 64, 8, 3))
+TILES_16BIT = dict(
+    lse=(128, 256, 64, 8, 3),
+    grad_logits=(256, 128, 64, 8, 4),
+    grad_logits_softcap=(128, 256, 64, 8, 3),
+    grad_input=(128, 256, 64, 8, 3),
+)
 GROUP = 8
 USE_TMA = True  # 11-13% faster than pointer loads on an H100 (docs/losses.md); False: pointers
 
@@ -317,19 +423,41 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     n_splits = min(vocab_blocks, max(1, triton.cdiv(programs, max(1, row_blocks))))
     blocks_per_split = triton.cdiv(vocab_blocks, n_splits)
     n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split
-    partial = torch.empty(4 if smoothing else 3, N, n_splits, device=x.device,
-                          dtype=torch.float32)
+    partial = torch.empty(4 if smoothing else 3, N, n_splits, device=x.device, dtype=torch.float32)
     if N > 0:
         x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
         lse_partials_kernel[(row_blocks * n_splits,)](
-            x_src, w_src, bias if bias is not None else x, target,
-            class_weight if class_weight is not None else partial, partial[0], partial[1],
-            partial[2], partial[-1], N, V, D, x.stride(0), weight.stride(0), blocks_per_split,
-            n_splits, float(softcap or 1.0),
-            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTH=smoothing,
-            HAS_CLASS_WEIGHT=class_weight is not None, BLOCK_N=block_n, BLOCK_V=block_v,
-            BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=_precision(x.dtype),
-            UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
+            x_src,
+            w_src,
+            bias if bias is not None else x,
+            target,
+            class_weight if class_weight is not None else partial,
+            partial[0],
+            partial[1],
+            partial[2],
+            partial[-1],
+            N,
+            V,
+            D,
+            x.stride(0),
+            weight.stride(0),
+            blocks_per_split,
+            n_splits,
+            float(softcap or 1.0),
+            HAS_BIAS=bias is not None,
+            SOFTCAP=softcap is not None,
+            SMOOTH=smoothing,
+            HAS_CLASS_WEIGHT=class_weight is not None,
+            BLOCK_N=block_n,
+            BLOCK_V=block_v,
+            BLOCK_D=block_d,
+            GROUP=GROUP,
+            EVEN_D=D % block_d == 0,
+            PRECISION=_precision(x.dtype),
+            UPCAST=_upcast(x),
+            TMA=tma,
+            num_warps=warps,
+            num_stages=stages,
         )
     run_max, run_sum, target_logit = partial[:3]
     row_max = run_max.amax(dim=1)
@@ -372,9 +500,23 @@ def _zero_grads(x, grad_x, grad_w, grad_b):
     return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, grad_b
 
 
-def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth_scale,
-                  need_input, need_weight, need_bias, *, class_weight=None, softcap=None,
-                  capturable=False):
+def grad_backward(
+    x,
+    weight,
+    bias,
+    target,
+    lse,
+    prob_scale,
+    target_scale,
+    smooth_scale,
+    need_input,
+    need_weight,
+    need_bias,
+    *,
+    class_weight=None,
+    softcap=None,
+    capturable=False,
+):
     """Gradients for x, weight and bias (None where not needed) of a loss whose gradient with
     respect to the (soft-capped) logits ``z`` of row i is
 
@@ -391,7 +533,8 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     V = weight.shape[0]
     _check_target(target, N)
     x, weight, bias, target, class_weight, lse, prob_scale, target_scale, smooth_scale = _dense(
-        x, weight, bias, target, class_weight, lse, prob_scale, target_scale, smooth_scale)
+        x, weight, bias, target, class_weight, lse, prob_scale, target_scale, smooth_scale
+    )
     grad_x = torch.zeros(N, D, device=x.device, dtype=torch.float32) if need_input else None
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty_like(bias) if need_bias else None
@@ -410,8 +553,7 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
     smoothing = smooth_scale is not None
     smooth_scale = smooth_scale / divisor if smoothing else prob_scale
     tiles = _tiles(x)
-    block_n, block_v, block_d, warps, stages = tiles[
-        "grad_logits" if softcap is None else "grad_logits_softcap"]
+    block_n, block_v, block_d, warps, stages = tiles["grad_logits" if softcap is None else "grad_logits_softcap"]
     in_n, in_d, in_k, in_warps, in_stages = tiles["grad_input"]
     precision = _precision(x.dtype)
     chunk = chunk_columns(N, V, x.element_size())
@@ -423,14 +565,38 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
         g = grads[:, : c1 - c0]
         grid = (triton.cdiv(N, block_n) * triton.cdiv(c1 - c0, block_v),)
         grad_logits_kernel[grid](
-            x_src, w_src, bias if bias is not None else x, target,
-            class_weight if class_weight is not None else lse, lse, prob_scale, target_scale,
-            smooth_scale, g, N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0),
+            x_src,
+            w_src,
+            bias if bias is not None else x,
+            target,
+            class_weight if class_weight is not None else lse,
+            lse,
+            prob_scale,
+            target_scale,
+            smooth_scale,
+            g,
+            N,
+            D,
+            c0,
+            c1,
+            x.stride(0),
+            weight.stride(0),
+            grads.stride(0),
             float(softcap or 1.0),
-            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTH=smoothing,
-            HAS_CLASS_WEIGHT=class_weight is not None, BLOCK_N=block_n, BLOCK_V=block_v,
-            BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0, PRECISION=precision,
-            UPCAST=_upcast(x), TMA=tma, num_warps=warps, num_stages=stages,
+            HAS_BIAS=bias is not None,
+            SOFTCAP=softcap is not None,
+            SMOOTH=smoothing,
+            HAS_CLASS_WEIGHT=class_weight is not None,
+            BLOCK_N=block_n,
+            BLOCK_V=block_v,
+            BLOCK_D=block_d,
+            GROUP=GROUP,
+            EVEN_D=D % block_d == 0,
+            PRECISION=precision,
+            UPCAST=_upcast(x),
+            TMA=tma,
+            num_warps=warps,
+            num_stages=stages,
         )
         if scale_max is None and capturable:
             scale_max = 1.0  # the products unscaled; the device divisor is applied below
@@ -448,9 +614,23 @@ def grad_backward(x, weight, bias, target, lse, prob_scale, target_scale, smooth
         elif need_input:
             grid = (triton.cdiv(N, in_n) * triton.cdiv(D, in_d),)
             grad_input_kernel[grid](
-                g, weight[c0:c1], grad_x, N, D, c1 - c0, grads.stride(0), weight.stride(0),
-                grad_x.stride(0), BLOCK_N=in_n, BLOCK_D=in_d, BLOCK_K=in_k, GROUP=GROUP,
-                PRECISION=precision, UPCAST=_upcast(x), num_warps=in_warps, num_stages=in_stages,
+                g,
+                weight[c0:c1],
+                grad_x,
+                N,
+                D,
+                c1 - c0,
+                grads.stride(0),
+                weight.stride(0),
+                grad_x.stride(0),
+                BLOCK_N=in_n,
+                BLOCK_D=in_d,
+                BLOCK_K=in_k,
+                GROUP=GROUP,
+                PRECISION=precision,
+                UPCAST=_upcast(x),
+                num_warps=in_warps,
+                num_stages=in_stages,
             )
     del grads, g  # before the cast below allocates dx
     scale = divisor if capturable else scale_max

@@ -86,15 +86,34 @@ def _column_groups(N: tl.constexpr, NPP: tl.constexpr):
 @triton.jit
 def _gates(alpha_ptr):
     """``(a_pre, a_post, a_res)`` in fp32 from ``alpha [3]`` (in the parameters' dtype)."""
-    return (tl.load(alpha_ptr).to(tl.float32), tl.load(alpha_ptr + 1).to(tl.float32),
-            tl.load(alpha_ptr + 2).to(tl.float32))
+    return (
+        tl.load(alpha_ptr).to(tl.float32),
+        tl.load(alpha_ptr + 1).to(tl.float32),
+        tl.load(alpha_ptr + 2).to(tl.float32),
+    )
 
 
 @triton.jit
 def coefficients_epilogue(
-    acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr,
-    p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, store=True,
+    acc_pp,
+    acc_res,
+    sum_sq,
+    o_t,
+    t_ok,
+    K,
+    eps,
+    hc_eps,
+    alpha_ptr,
+    bias_ptr,
+    p_ptr,
+    r_ptr,
+    h_pre_ptr,
+    h_post_ptr,
+    z_res_ptr,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    store=True,
 ):
     """From the projection ``acc = v @ phi`` and the sum of squares of the tokens ``o_t``: store
     ``r``, ``p``, ``h_pre`` (``+ hc_eps``), ``h_post`` and the Sinkhorn logits (where ``store``, a
@@ -125,8 +144,19 @@ def coefficients_epilogue(
 
 @triton.jit
 def pre_mix_pass(
-    x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, chunks,
-    N: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    x_in_ptr,
+    h_pp,
+    hc_eps,
+    o_t,
+    t_ok,
+    D,
+    first_chunk,
+    chunks,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """``x_in = sum_j h_pre[j] x[j]`` over the tokens ``o_t`` of ``x [T, N, D]`` and the ``chunks``
     channel chunks (``BLOCK_D`` wide) from ``first_chunk`` on, last chunks first (the most recently
@@ -147,8 +177,16 @@ def pre_mix_pass(
 
 @triton.jit
 def sinkhorn_epilogue(
-    z_res_ptr, h_res_ptr, i_t, T, hc_eps,
-    ITERS: tl.constexpr, HAS_EPS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+    z_res_ptr,
+    h_res_ptr,
+    i_t,
+    T,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Sinkhorn of the program's matrices, read back as rows (the layout of the Sinkhorn core)."""
     tl.debug_barrier()
@@ -163,9 +201,19 @@ def sinkhorn_epilogue(
 
 @triton.jit
 def project_tokens(
-    x_ptr, phi_ptr, o_t, t_ok, k_begin, k_end, K,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, SPLIT_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    phi_ptr,
+    o_t,
+    t_ok,
+    k_begin,
+    k_end,
+    K,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``(acc_pp, acc_res, sum_sq)``: the projection ``v @ phi`` of the tokens ``o_t`` over the
     columns ``[k_begin, k_end)`` of ``v``, split into its ``[pre | post]`` and ``res`` column tiles,
@@ -196,23 +244,59 @@ def project_tokens(
 def coefficients_fwd_kernel(
     # pointers: streams x [T, N, D]; phi [N * D, M], gates alpha [3] = (a_pre, a_post, a_res) and
     # biases bias [M] = [b_pre | b_post | vec(b_res)], any float dtype (read into fp32)
-    x_ptr, phi_ptr, alpha_ptr, bias_ptr,
+    x_ptr,
+    phi_ptr,
+    alpha_ptr,
+    bias_ptr,
     # outputs: x_in [T, D] (x's dtype); fp32 p [T, M], r [T], h_pre [T, N], h_post [T, N],
     # z_res [T, N, N] (Sinkhorn logits), h_res [T, N, N]
-    x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
-    T, D, eps, hc_eps,
-    N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
-    HAS_EPS: tl.constexpr, SPLIT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_in_ptr,
+    p_ptr,
+    r_ptr,
+    h_pre_ptr,
+    h_post_ptr,
+    z_res_ptr,
+    h_res_ptr,
+    T,
+    D,
+    eps,
+    hc_eps,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    ITERS: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     K = N * D
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = o_t < T
     acc_pp, acc_res, sum_sq = project_tokens(
-        x_ptr, phi_ptr, o_t, t_ok, 0, K, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K)
+        x_ptr, phi_ptr, o_t, t_ok, 0, K, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K
+    )
     h_pp = coefficients_epilogue(
-        acc_pp, acc_res, sum_sq, o_t, t_ok, K, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
-        h_post_ptr, z_res_ptr, N, NPP, NRES,
+        acc_pp,
+        acc_res,
+        sum_sq,
+        o_t,
+        t_ok,
+        K,
+        eps,
+        hc_eps,
+        alpha_ptr,
+        bias_ptr,
+        p_ptr,
+        r_ptr,
+        h_pre_ptr,
+        h_post_ptr,
+        z_res_ptr,
+        N,
+        NPP,
+        NRES,
     )
     pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, 0, tl.cdiv(D, BLOCK_K), N, NPP, BLOCK_T, BLOCK_K)
     sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
@@ -222,9 +306,18 @@ def coefficients_fwd_kernel(
 def projection_partial_kernel(
     # x [T, N, D] -> partial [splits, T, NPP + NRES + 1] fp32: per split the [pre | post] and res
     # tiles of the projection over its columns, then the sum of squares
-    x_ptr, phi_ptr, partial_ptr, T, D, k_split,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, SPLIT_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    phi_ptr,
+    partial_ptr,
+    T,
+    D,
+    k_split,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     W: tl.constexpr = NPP + NRES + 1
     K = N * D
@@ -233,8 +326,20 @@ def projection_partial_kernel(
     t_ok = o_t < T
     k_begin = i_s * k_split
     acc_pp, acc_res, sum_sq = project_tokens(
-        x_ptr, phi_ptr, o_t, t_ok, k_begin, tl.minimum(k_begin + k_split, K), K, N, NPP, NRES, SPLIT_BF16,
-        BLOCK_T, BLOCK_K)
+        x_ptr,
+        phi_ptr,
+        o_t,
+        t_ok,
+        k_begin,
+        tl.minimum(k_begin + k_split, K),
+        K,
+        N,
+        NPP,
+        NRES,
+        SPLIT_BF16,
+        BLOCK_T,
+        BLOCK_K,
+    )
     row = partial_ptr + (o_t + i_s * T) * W
     tl.store(row[:, None] + tl.arange(0, NPP)[None, :], acc_pp, mask=t_ok[:, None])
     tl.store(row[:, None] + NPP + tl.arange(0, NRES)[None, :], acc_res, mask=t_ok[:, None])
@@ -245,11 +350,32 @@ def projection_partial_kernel(
 def coefficients_finish_kernel(
     # the coefficient forward's epilogue after projection_partial_kernel: arguments as
     # coefficients_fwd_kernel's, with partial [splits, T, NPP + NRES + 1] in place of phi
-    x_ptr, partial_ptr, alpha_ptr, bias_ptr,
-    x_in_ptr, p_ptr, r_ptr, h_pre_ptr, h_post_ptr, z_res_ptr, h_res_ptr,
-    T, D, splits, mix_chunks, eps, hc_eps,
-    N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ITERS: tl.constexpr,
-    HAS_EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROLES: tl.constexpr,
+    x_ptr,
+    partial_ptr,
+    alpha_ptr,
+    bias_ptr,
+    x_in_ptr,
+    p_ptr,
+    r_ptr,
+    h_pre_ptr,
+    h_post_ptr,
+    z_res_ptr,
+    h_res_ptr,
+    T,
+    D,
+    splits,
+    mix_chunks,
+    eps,
+    hc_eps,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    ITERS: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROLES: tl.constexpr,
 ):
     """``ROLES``: a grid ``(token tiles, 1 + pre-mix programs)`` whose programs of a tile run side
     by side: the first the coefficients and their Sinkhorn (latency: serial iterations), the
@@ -271,16 +397,32 @@ def coefficients_finish_kernel(
     # the coefficients' program stores them (without ROLES the grid has one column: every program)
     coefficients = tl.program_id(1) == 0
     h_pp = coefficients_epilogue(
-        acc_pp, acc_res, sum_sq, o_t, t_ok, N * D, eps, hc_eps, alpha_ptr, bias_ptr, p_ptr, r_ptr, h_pre_ptr,
-        h_post_ptr, z_res_ptr, N, NPP, NRES, coefficients,
+        acc_pp,
+        acc_res,
+        sum_sq,
+        o_t,
+        t_ok,
+        N * D,
+        eps,
+        hc_eps,
+        alpha_ptr,
+        bias_ptr,
+        p_ptr,
+        r_ptr,
+        h_pre_ptr,
+        h_post_ptr,
+        z_res_ptr,
+        N,
+        NPP,
+        NRES,
+        coefficients,
     )
     if ROLES:
         if coefficients:
             sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
         else:
             first_chunk = (tl.program_id(1) - 1) * mix_chunks
-            pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, mix_chunks, N, NPP, BLOCK_T,
-                         BLOCK_D)
+            pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, mix_chunks, N, NPP, BLOCK_T, BLOCK_D)
     else:
         pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, 0, tl.cdiv(D, BLOCK_D), N, NPP, BLOCK_T, BLOCK_D)
         sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
@@ -290,14 +432,30 @@ def coefficients_finish_kernel(
 def coefficient_grad_kernel(
     # inputs: x [T, K], dx_in [T, D] (the pre-mix output's gradient), dh_pre [T, N] (optional,
     # another gradient of h_pre), h_pre, dh_post, h_post [T, N], dz_res [T, N*N], p [T, M], r [T]
-    x_ptr, dx_in_ptr, dh_pre_ptr, h_pre_ptr, dh_post_ptr, h_post_ptr, dz_res_ptr, p_ptr, r_ptr,
+    x_ptr,
+    dx_in_ptr,
+    dh_pre_ptr,
+    h_pre_ptr,
+    dh_post_ptr,
+    h_post_ptr,
+    dz_res_ptr,
+    p_ptr,
+    r_ptr,
     alpha_ptr,
     # outputs (fp32): g [T, M] (projection gradient), c [T] (RMS term), partial [programs, M + 3]
     # (this program's sums of dz and of the gate terms s)
-    g_ptr, c_ptr, partial_ptr,
-    T, D, hc_eps,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, HAS_DH_PRE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    g_ptr,
+    c_ptr,
+    partial_ptr,
+    T,
+    D,
+    hc_eps,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    HAS_DH_PRE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     M: tl.constexpr = 2 * N + N * N
     i_t = tl.program_id(0)
@@ -365,15 +523,35 @@ def projection_bwd_kernel(
     # inputs: x [T, N, D], phi [N * D, M], g [T, M], c [T]; the pre-mix's h_pre [T, N] and
     # dx_in [T, D]; dx_acc [T, N, D] (added to dx); partial_bias [BIAS_ROWS, M + 3] (the
     # coefficient-gradient kernel's per-program sums)
-    x_ptr, phi_ptr, g_ptr, c_ptr, h_pre_ptr, dx_in_ptr, dx_acc_ptr, partial_bias_ptr,
+    x_ptr,
+    phi_ptr,
+    g_ptr,
+    c_ptr,
+    h_pre_ptr,
+    dx_in_ptr,
+    dx_acc_ptr,
+    partial_bias_ptr,
     # outputs: dx [T, N, D] (x's dtype); partial [SPLITS, N * D * M + M + 3] fp32, per split its
     # dphi [N * D, M] then its share of the sums of partial_bias, so that one sum over the splits
     # gives both
-    dx_ptr, partial_ptr,
-    T, D, SPLITS, BIAS_ROWS,
-    N: tl.constexpr, NPP: tl.constexpr, NRES: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, DX_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DX: tl.constexpr, DPHI: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
+    dx_ptr,
+    partial_ptr,
+    T,
+    D,
+    SPLITS,
+    BIAS_ROWS,
+    N: tl.constexpr,
+    NPP: tl.constexpr,
+    NRES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    DX_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DX: tl.constexpr,
+    DPHI: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
 ):
     # DX / DPHI: which of the two results this launch computes (both, or one per launch where
     # holding both accumulators at once spills: see projection_passes)
@@ -566,8 +744,17 @@ def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int
 @launch_plan
 def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
     block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
-    meta = dict(**_columns(n), NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, SPLIT_BF16=split_bf16,
-                BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    meta = dict(
+        **_columns(n),
+        NP=next_pow2(n),
+        ITERS=iters,
+        HAS_EPS=has_eps,
+        SPLIT_BF16=split_bf16,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return block_t, meta, ("coefficients_fwd", n, iters, has_eps, split_bf16)
 
 
@@ -577,14 +764,32 @@ def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, spl
     ``coefficients_split_config``); ``few``: the small-token split (``few_tokens``)."""
     block_t, block_k, num_warps, num_stages, waves = config
     cols = _columns(n)
-    partial = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps,
-                   num_stages=num_stages)
+    partial = dict(
+        **cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+    )
     finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few)
-    finish = dict(**cols, NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps, BLOCK_T=finish_t,
-                  BLOCK_D=finish_d, ROLES=few, num_warps=finish_warps)
+    finish = dict(
+        **cols,
+        NP=next_pow2(n),
+        ITERS=iters,
+        HAS_EPS=has_eps,
+        BLOCK_T=finish_t,
+        BLOCK_D=finish_d,
+        ROLES=few,
+        num_warps=finish_warps,
+    )
     width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
-    return (block_t, block_k, waves, width, partial, ("projection_partial", config, n, split_bf16),
-            finish_t, finish, ("coefficients_finish", finish_config, n, iters, has_eps, few))
+    return (
+        block_t,
+        block_k,
+        waves,
+        width,
+        partial,
+        ("projection_partial", config, n, split_bf16),
+        finish_t,
+        finish,
+        ("coefficients_finish", finish_config, n, iters, has_eps, few),
+    )
 
 
 def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int, int]:
@@ -624,10 +829,21 @@ def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, 
     block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
     # programs an SM holds at once where the registers per thread are capped (64K registers per SM)
     resident = None if maxnreg is None else 65536 // (maxnreg * 32 * num_warps)
-    meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision,
-                BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx", BLOCK_R=BIAS_TILE,
-                NB=next_pow2(2 * n + n * n + 3), num_warps=num_warps,
-                num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    meta = dict(
+        **_columns(n),
+        ACCUMULATE=accumulate,
+        SPLIT_BF16=split_bf16,
+        DX_PRECISION=precision,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        DX=part != "dphi",
+        DPHI=part != "dx",
+        BLOCK_R=BIAS_TILE,
+        NB=next_pow2(2 * n + n * n + 3),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+    )
     key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
     return block_t, block_d, (waves, resident), meta, key
 
@@ -665,13 +881,21 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
     plan = per_size(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
     if plan.partial is None:
-        launch(coefficients_fwd_kernel, plan.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), plan.meta,
-               plan.key)
+        launch(
+            coefficients_fwd_kernel, plan.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), plan.meta, plan.key
+        )
         return outputs
     partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
     launch(projection_partial_kernel, plan.grid, (x, phi), (partial,), (T, d, plan.k_split), plan.meta, plan.key)
-    launch(coefficients_finish_kernel, plan.finish_grid, (x, partial, alpha, bias), outputs,
-           (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps), plan.finish_meta, plan.finish_key)
+    launch(
+        coefficients_finish_kernel,
+        plan.finish_grid,
+        (x, partial, alpha, bias),
+        outputs,
+        (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps),
+        plan.finish_meta,
+        plan.finish_key,
+    )
     return outputs
 
 
@@ -707,8 +931,17 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
         finish_grid = (tiles, 1 + cdiv(chunks, mix_chunks))
     else:
         mix_chunks, finish_grid = chunks, (tiles,)
-    return ForwardPlan((cdiv(T, block_t), splits), meta, key, (splits, T, width), k_split, finish_grid,
-                       finish_meta, finish_key, mix_chunks)
+    return ForwardPlan(
+        (cdiv(T, block_t), splits),
+        meta,
+        key,
+        (splits, T, width),
+        k_split,
+        finish_grid,
+        finish_meta,
+        finish_key,
+        mix_chunks,
+    )
 
 
 def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
@@ -724,8 +957,14 @@ PRE_MIX_WAVES = 4
 def per_token_outputs(T: int, n: int, device):
     """The fp32 per-token outputs of a coefficient forward: ``(p, r, h_pre, h_post, z_res, h_res)``."""
     f32 = dict(dtype=torch.float32, device=device)
-    return (torch.empty((T, 2 * n + n * n), **f32), torch.empty((T,), **f32), torch.empty((T, n), **f32),
-            torch.empty((T, n), **f32), torch.empty((T, n, n), **f32), torch.empty((T, n, n), **f32))
+    return (
+        torch.empty((T, 2 * n + n * n), **f32),
+        torch.empty((T,), **f32),
+        torch.empty((T, n), **f32),
+        torch.empty((T, n), **f32),
+        torch.empty((T, n, n), **f32),
+        torch.empty((T, n, n), **f32),
+    )
 
 
 def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
@@ -738,14 +977,35 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
     has_dh_pre = dh_pre is not None
     grid, meta, key = per_size(_grad_plan, T)(n, d, T, has_dh_pre, x.device)
     partial_bias = torch.empty((grid[0], M + 3), **f32)
-    inputs = (x, grad_x_in, dh_pre.contiguous() if has_dh_pre else h_pre, h_pre, dh_post.contiguous(), h_post,
-              dz_res.contiguous(), p, r, alpha.contiguous())
+    inputs = (
+        x,
+        grad_x_in,
+        dh_pre.contiguous() if has_dh_pre else h_pre,
+        h_pre,
+        dh_post.contiguous(),
+        h_post,
+        dz_res.contiguous(),
+        p,
+        r,
+        alpha.contiguous(),
+    )
     launch(coefficient_grad_kernel, grid, inputs, (g, c, partial_bias), (T, d, hc_eps), meta, key)
     return g, c, partial_bias
 
 
 def coefficients_bwd(
-    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
+    x,
+    phi,
+    alpha,
+    p,
+    r,
+    h_pre,
+    h_post,
+    dh_pre,
+    dh_post,
+    dz_res,
+    grad_x_in,
+    grad_x_acc=None,
     hc_eps: float = 0.0,
 ):
     """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
@@ -758,14 +1018,26 @@ def coefficients_bwd(
     d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
     views of one tensor (:func:`coefficients_bwd_packed`).
     """
-    dx, packed = coefficients_bwd_packed(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in,
-                                         grad_x_acc, hc_eps)
+    dx, packed = coefficients_bwd_packed(
+        x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
+    )
     dphi, dbias_alpha = packed.split_with_sizes((phi.numel(), packed.numel() - phi.numel()))
     return dx, dphi.view(phi.shape), dbias_alpha
 
 
 def coefficients_bwd_packed(
-    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None,
+    x,
+    phi,
+    alpha,
+    p,
+    r,
+    h_pre,
+    h_post,
+    dh_pre,
+    dh_post,
+    dz_res,
+    grad_x_in,
+    grad_x_acc=None,
     hc_eps: float = 0.0,
 ):
     """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
@@ -781,9 +1053,7 @@ def coefficients_bwd_packed(
         return torch.zeros_like(x), torch.zeros((K * M + M + 3,), **f32)
     grad_x_in = grad_x_in.contiguous()
     p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
-    g, c, partial_bias = coefficient_grad(
-        x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps
-    )
+    g, c, partial_bias = coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps)
     dx = torch.empty_like(x)
     accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
@@ -791,8 +1061,15 @@ def coefficients_bwd_packed(
     for part, grid, meta, key in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
         if part != "dx":
             partial = torch.empty((grid[1], K * M + M + 3), **f32)
-        launch(projection_bwd_kernel, grid, inputs, (dx, partial if part != "dx" else dx),
-               (T, d, grid[1], partial_bias.shape[0]), meta, key)
+        launch(
+            projection_bwd_kernel,
+            grid,
+            inputs,
+            (dx, partial if part != "dx" else dx),
+            (T, d, grid[1], partial_bias.shape[0]),
+            meta,
+            key,
+        )
     return dx, partial.sum(0)
 
 
@@ -804,7 +1081,8 @@ def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16
     plan = []
     for part in projection_passes(n):
         block_t, block_d, (waves, resident), meta, key = _projection_meta(
-            n, d, dtype, accumulate, split_bf16, precision, part)
+            n, d, dtype, accumulate, split_bf16, precision, part
+        )
         chunks = n * cdiv(d, block_d)
         plan.append((part, (chunks, token_splits(T, block_t, waves, chunks, device, resident)), meta, key))
     return tuple(plan)
@@ -838,5 +1116,3 @@ def _fewest_rounds(blocks: int, chunks: int, slots: int, most: int) -> int:
 
 MIN_SPLIT_BLOCKS = 4
 BIAS_TILE = 64  # rows of the per-program bias sums that a dphi program adds at a time
-
-

@@ -20,8 +20,17 @@ import triton.language as tl
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
-    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, cdiv, launch_config,
-    next_pow2, reciprocal,
+    MAX_N,
+    TILED_MIN_N,
+    _col_sums,
+    _load_rows,
+    _row_sums,
+    _row_tile,
+    _store_rows,
+    cdiv,
+    launch_config,
+    next_pow2,
+    reciprocal,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_bwd, sinkhorn_tiled_fwd
 
@@ -106,9 +115,13 @@ def sinkhorn_rows(x, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLO
 
 @triton.jit
 def sinkhorn_fwd_kernel(
-    x_ptr, out_ptr,  # contiguous [T, N, N]
+    x_ptr,
+    out_ptr,  # contiguous [T, N, N]
     T,
-    ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
@@ -118,11 +131,19 @@ def sinkhorn_fwd_kernel(
 
 @triton.jit
 def sinkhorn_bwd_kernel(
-    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    x_ptr,
+    g_ptr,
+    dx_ptr,  # contiguous [T, N, N]
     T,
     # the ITERS-1 multiplicative iterations run as NSEG segments of SEG, the first short by PAD
-    ITERS: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr, PAD: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+    ITERS: tl.constexpr,
+    SEG: tl.constexpr,
+    NSEG: tl.constexpr,
+    PAD: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
     col_ok = tl.arange(0, NP)[None, :] < N

@@ -157,9 +157,15 @@ def sinkhorn_eps_rows_bwd(x, g, eps, ITERS: tl.constexpr, N: tl.constexpr, NP: t
 
 @triton.jit(do_not_specialize=["T", "eps"])
 def sinkhorn_eps_fwd_kernel(
-    x_ptr, out_ptr,  # contiguous [T, N, N]
-    T, eps,
-    ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+    x_ptr,
+    out_ptr,  # contiguous [T, N, N]
+    T,
+    eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
     out = sinkhorn_eps_rows(_load_rows(x_ptr, offs, m, N, FP64), eps, ITERS, N, NP, BLOCK_T)
@@ -168,9 +174,16 @@ def sinkhorn_eps_fwd_kernel(
 
 @triton.jit(do_not_specialize=["T", "eps"])
 def sinkhorn_eps_bwd_kernel(
-    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
-    T, eps,
-    ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+    x_ptr,
+    g_ptr,
+    dx_ptr,  # contiguous [T, N, N]
+    T,
+    eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
     x = _load_rows(x_ptr, offs, m, N, FP64)

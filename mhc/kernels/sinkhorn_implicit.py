@@ -15,8 +15,16 @@ import triton.language as tl
 from mhc.kernels._checks import check_matrices, check_tensor
 from mhc.kernels._launch import launch
 from mhc.kernels._tiles import (
-    MAX_N, TILED_MIN_N, _col_sums, _load_rows, _row_sums, _row_tile, _store_rows, centered,
-    cdiv, launch_config,
+    MAX_N,
+    TILED_MIN_N,
+    _col_sums,
+    _load_rows,
+    _row_sums,
+    _row_tile,
+    _store_rows,
+    cdiv,
+    centered,
+    launch_config,
 )
 from mhc.kernels.sinkhorn_tiled import sinkhorn_tiled_implicit_bwd
 
@@ -25,9 +33,14 @@ IMPLICIT_VALUES_PER_THREAD = 16
 
 @triton.jit
 def sinkhorn_implicit_bwd_kernel(
-    r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, N]
+    r_ptr,
+    g_ptr,
+    dx_ptr,  # contiguous [T, N, N]
     T,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, FP64: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
     col_ok = tl.arange(0, NP)[None, :] < N
@@ -100,6 +113,13 @@ def sinkhorn_implicit_bwd_unchecked(out: torch.Tensor, grad_out: torch.Tensor) -
     fp64 = out.dtype == torch.float64
     np2, block_t, num_warps = launch_config(n, IMPLICIT_VALUES_PER_THREAD)
     meta = dict(N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out), (grad_in,), (T,), meta,
-           ("sinkhorn_implicit_bwd", n, fp64))
+    launch(
+        sinkhorn_implicit_bwd_kernel,
+        (cdiv(T, block_t),),
+        (out, grad_out),
+        (grad_in,),
+        (T,),
+        meta,
+        ("sinkhorn_implicit_bwd", n, fp64),
+    )
     return grad_in

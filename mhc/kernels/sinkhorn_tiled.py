@@ -52,8 +52,7 @@ VEC = tl.constexpr(4)  # columns per vector: the tile's last axis
 
 
 @triton.jit
-def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-          RI: tl.constexpr):
+def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr, RI: tl.constexpr):
     """Program ``i_b``'s ``[BLOCK_T, RI, CB, RO, 4]`` tile: where its first matrix starts in the
     inputs (``[T, N, RS]``, rows of ``RS >= N`` entries) and in the output (``[T, N, N]``), int64;
     the int32 offsets from there and the in-bounds masks of both; the masks of real rows
@@ -71,8 +70,7 @@ def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: 
     t_ok = (t < T - t0) & row_ok
     in_offs = t * (N * RS) + row * RS + col
     out_offs = t * (N * N) + row * N + col
-    return (t0 * (N * RS), in_offs, t_ok & (col < RS), t0 * (N * N), out_offs, t_ok & col_ok,
-            row_ok, col_ok)
+    return (t0 * (N * RS), in_offs, t_ok & (col < RS), t0 * (N * N), out_offs, t_ok & col_ok, row_ok, col_ok)
 
 
 @triton.jit
@@ -159,13 +157,18 @@ def _scalings(k, u, row_ok, col_ok, n_steps):
 
 @triton.jit
 def sinkhorn_tiled_fwd_kernel(
-    x_ptr, out_ptr,  # contiguous [T, N, RS], [T, N, N]
-    T, iters,
-    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    RI: tl.constexpr, FP64: tl.constexpr,
+    x_ptr,
+    out_ptr,  # contiguous [T, N, RS], [T, N, N]
+    T,
+    iters,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RI: tl.constexpr,
+    FP64: tl.constexpr,
 ):
-    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
-        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
     x_ptr += in_base
     out_ptr += out_base
     k, _ = _first_iteration(load_upcast(x_ptr, offs, m, FP64), row_ok, col_ok)
@@ -243,14 +246,22 @@ def _reverse_segment(k, hist, slot, u_k, rs, cs, acc, col_ok, h_lo, SEG: tl.cons
 
 @triton.jit
 def sinkhorn_tiled_bwd_kernel(
-    x_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
-    T, iters,
-    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    RI: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, RECOMPUTE_R1: tl.constexpr,
+    x_ptr,
+    g_ptr,
+    dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
+    T,
+    iters,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RI: tl.constexpr,
+    SEG: tl.constexpr,
+    SEGP: tl.constexpr,
+    RECOMPUTE_R1: tl.constexpr,
     FP64: tl.constexpr,
 ):
-    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
-        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
     x_ptr += in_base
     g_ptr += in_base
     dx_ptr += out_base
@@ -290,16 +301,22 @@ def sinkhorn_tiled_bwd_kernel(
 
 @triton.jit
 def sinkhorn_tiled_implicit_bwd_kernel(
-    r_ptr, g_ptr, dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
+    r_ptr,
+    g_ptr,
+    dx_ptr,  # contiguous [T, N, RS], [T, N, RS], [T, N, N]
     T,
-    N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr,
-    RI: tl.constexpr, CG_TOL: tl.constexpr, FP64: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RI: tl.constexpr,
+    CG_TOL: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     # The system and the CG loop of sinkhorn_implicit.py, on tiles: A beta = c * beta -
     # R^T diag(r)^-1 (R beta), right-hand side and residuals re-centred (see that file). The
     # CG vectors are column vectors; their dot products sum over the columns.
-    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(
-        tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
+    in_base, offs, m, out_base, out_offs, out_m, row_ok, col_ok = _tile(tl.program_id(0), T, N, NP, RS, BLOCK_T, RI)
     r_ptr += in_base
     g_ptr += in_base
     dx_ptr += out_base
@@ -381,8 +398,15 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     block_t, ri, num_warps = _config(n, "fwd")
     fp64 = logits.dtype == torch.float64
     meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_tiled_fwd_kernel, (cdiv(T, block_t),), (logits,), (out,), (T, iters), meta,
-           ("sinkhorn_tiled_fwd", n, rs, fp64))
+    launch(
+        sinkhorn_tiled_fwd_kernel,
+        (cdiv(T, block_t),),
+        (logits,),
+        (out,),
+        (T, iters),
+        meta,
+        ("sinkhorn_tiled_fwd", n, rs, fp64),
+    )
     return out
 
 
@@ -394,10 +418,27 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
         return grad_in
     block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")
     fp64 = logits.dtype == torch.float64
-    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, SEG=seg, SEGP=max(VEC.value, next_pow2(seg + 1)),
-                RECOMPUTE_R1=recompute_r1, FP64=fp64, num_warps=num_warps)
-    launch(sinkhorn_tiled_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out), (grad_in,), (T, iters), meta,
-           ("sinkhorn_tiled_bwd", n, rs, fp64))
+    meta = dict(
+        N=n,
+        NP=next_pow2(n),
+        RS=rs,
+        BLOCK_T=block_t,
+        RI=ri,
+        SEG=seg,
+        SEGP=max(VEC.value, next_pow2(seg + 1)),
+        RECOMPUTE_R1=recompute_r1,
+        FP64=fp64,
+        num_warps=num_warps,
+    )
+    launch(
+        sinkhorn_tiled_bwd_kernel,
+        (cdiv(T, block_t),),
+        (logits, grad_out),
+        (grad_in,),
+        (T, iters),
+        meta,
+        ("sinkhorn_tiled_bwd", n, rs, fp64),
+    )
     return grad_in
 
 
@@ -408,8 +449,23 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
         return grad_in
     block_t, ri, num_warps = _config(n, "implicit")
     fp64 = out.dtype == torch.float64
-    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, CG_TOL=1e-13 if fp64 else 1e-6,
-                num_warps=num_warps)
-    launch(sinkhorn_tiled_implicit_bwd_kernel, (cdiv(T, block_t),), (out, grad_out), (grad_in,), (T,), meta,
-           ("sinkhorn_tiled_implicit_bwd", n, rs, fp64))
+    meta = dict(
+        N=n,
+        NP=next_pow2(n),
+        RS=rs,
+        BLOCK_T=block_t,
+        RI=ri,
+        FP64=fp64,
+        CG_TOL=1e-13 if fp64 else 1e-6,
+        num_warps=num_warps,
+    )
+    launch(
+        sinkhorn_tiled_implicit_bwd_kernel,
+        (cdiv(T, block_t),),
+        (out, grad_out),
+        (grad_in,),
+        (T,),
+        meta,
+        ("sinkhorn_tiled_implicit_bwd", n, rs, fp64),
+    )
     return grad_in

@@ -68,11 +68,23 @@ def _load_streams_3d(x_ptr, o_t, o_d, m, D, N: tl.constexpr, NP: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "stride_w", "stride_b"])
 def stream_mix_fwd_kernel(
     # pointers: x [T, N, D], y [T, D], w [T, N_OUT, N], b [T, N_OUT], out [T, N_OUT, D]
-    x_ptr, y_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
     # sizes and the coefficients' token strides (0: one set for all tokens)
-    T, D, stride_w, stride_b,
-    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    T,
+    D,
+    stride_w,
+    stride_b,
+    N: tl.constexpr,
+    N_OUT: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    UNROLL: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     o_t, o_d, m = _token_tile(tl.program_id(0), tl.program_id(1), T, D, BLOCK_T, BLOCK_D)
     t_ok = o_t < T
@@ -104,12 +116,30 @@ def stream_mix_bwd_kernel(
     # pointers: the forward's inputs, dout [T, N_OUT, D], dx_acc [T, N, D] (added to dx),
     # outputs dx [T, N, D], dy [T, D], dw [RANGES, T, N_OUT, N] and db [RANGES, T, N_OUT] (fp32,
     # contiguous; a partial sum per range of D, RANGES = grid[1])
-    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr,
-    dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    T, D, stride_w, stride_b, split_chunks,
-    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-    WRITE_DX: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    dout_ptr,
+    dx_acc_ptr,
+    dx_ptr,
+    dy_ptr,
+    dw_ptr,
+    db_ptr,
+    T,
+    D,
+    stride_w,
+    stride_b,
+    split_chunks,
+    N: tl.constexpr,
+    N_OUT: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    UNROLL: tl.constexpr,
+    NP: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # program: a tile of BLOCK_T tokens over range program_id(1) of D, split_chunks chunks of
     # BLOCK_D channels (one range: all of D)
@@ -121,23 +151,90 @@ def stream_mix_bwd_kernel(
     db_ptr += i_s.to(tl.int64) * T * N_OUT
     if UNROLL:
         _mix_bwd_unrolled(
-            x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-            o_t, i_t, first, last, T, D, stride_w, stride_b, N, N_OUT, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T, BLOCK_D,
+            x_ptr,
+            y_ptr,
+            w_ptr,
+            b_ptr,
+            dout_ptr,
+            dx_acc_ptr,
+            dx_ptr,
+            dy_ptr,
+            dw_ptr,
+            db_ptr,
+            o_t,
+            i_t,
+            first,
+            last,
+            T,
+            D,
+            stride_w,
+            stride_b,
+            N,
+            N_OUT,
+            HAS_Y,
+            WRITE_DX,
+            ACCUMULATE,
+            BLOCK_T,
+            BLOCK_D,
         )
     else:
         _mix_bwd_wide(
-            x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-            o_t, i_t, first, last, T, D, stride_w, stride_b, N, N_OUT, NP, HAS_Y, WRITE_DX, ACCUMULATE, BLOCK_T,
+            x_ptr,
+            y_ptr,
+            w_ptr,
+            b_ptr,
+            dout_ptr,
+            dx_acc_ptr,
+            dx_ptr,
+            dy_ptr,
+            dw_ptr,
+            db_ptr,
+            o_t,
+            i_t,
+            first,
+            last,
+            T,
+            D,
+            stride_w,
+            stride_b,
+            N,
+            N_OUT,
+            NP,
+            HAS_Y,
+            WRITE_DX,
+            ACCUMULATE,
+            BLOCK_T,
             BLOCK_D,
         )
 
 
 @triton.jit
 def _mix_bwd_unrolled(
-    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    o_t, i_t, first, last, T, D, stride_w, stride_b,
-    N: tl.constexpr, N_OUT: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
-    ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    dout_ptr,
+    dx_acc_ptr,
+    dx_ptr,
+    dy_ptr,
+    dw_ptr,
+    db_ptr,
+    o_t,
+    i_t,
+    first,
+    last,
+    T,
+    D,
+    stride_w,
+    stride_b,
+    N: tl.constexpr,
+    N_OUT: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One tile per stream; one ``[BLOCK_T]`` accumulator per coefficient (n <= 8)."""
     t_ok = o_t < T
@@ -188,10 +285,32 @@ def _mix_bwd_unrolled(
 
 @triton.jit
 def _mix_bwd_wide(
-    x_ptr, y_ptr, w_ptr, b_ptr, dout_ptr, dx_acc_ptr, dx_ptr, dy_ptr, dw_ptr, db_ptr,
-    o_t, i_t, first, last, T, D, stride_w, stride_b,
-    N: tl.constexpr, N_OUT: tl.constexpr, NP: tl.constexpr, HAS_Y: tl.constexpr, WRITE_DX: tl.constexpr,
-    ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    dout_ptr,
+    dx_acc_ptr,
+    dx_ptr,
+    dy_ptr,
+    dw_ptr,
+    db_ptr,
+    o_t,
+    i_t,
+    first,
+    last,
+    T,
+    D,
+    stride_w,
+    stride_b,
+    N: tl.constexpr,
+    N_OUT: tl.constexpr,
+    NP: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Streams as ``[BLOCK_T, NP, BLOCK_D]`` tiles; per-token products over streams as batched
     ``tl.dot`` (IEEE fp32): code size independent of n (n > 8)."""
@@ -200,7 +319,9 @@ def _mix_bwd_wide(
     o_i = tl.arange(0, NO)
     o_j = tl.arange(0, NP)
     m_w = t_ok[:, None, None] & (o_i < N_OUT)[None, :, None] & (o_j < N)[None, None, :]
-    w3 = tl.load(w_ptr + o_t[:, None, None] * stride_w + o_i[None, :, None] * N + o_j[None, None, :], mask=m_w, other=0.0)
+    w3 = tl.load(
+        w_ptr + o_t[:, None, None] * stride_w + o_i[None, :, None] * N + o_j[None, None, :], mask=m_w, other=0.0
+    )
     if HAS_Y:
         m_b = t_ok[:, None] & (o_i < N_OUT)[None, :]
         b2 = tl.load(b_ptr + o_t[:, None] * stride_b + o_i[None, :], mask=m_b, other=0.0)
@@ -252,9 +373,17 @@ def _add_splits(parts_ptr, out_ptr, o_t, T, splits, W: tl.constexpr, WP: tl.cons
 def partial_sums_kernel(
     # dw_parts [splits, T, W], db_parts [splits, T, B] (fp32) -> dw [T, W], db [T, B]: the
     # backward's partial coefficient gradients over ranges of D, added in range order
-    dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr,
-    T, splits,
-    W: tl.constexpr, WP: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, BLOCK_T: tl.constexpr,
+    dw_parts_ptr,
+    db_parts_ptr,
+    dw_ptr,
+    db_ptr,
+    T,
+    splits,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     _add_splits(dw_parts_ptr, dw_ptr, o_t, T, splits, W, WP, BLOCK_T)
@@ -343,8 +472,17 @@ def _bwd_plan(n: int, n_out: int, d: int, T: int, has_y: bool, need_grad_x: bool
     block_t, block_d, num_warps = _bwd_config(n, n_out, d)
     chunks = cdiv(d, block_d)
     split_chunks = max(1, cdiv(chunks, bwd_d_splits(n, n_out, d, T, sm_count(device))))
-    meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), WRITE_DX=need_grad_x, ACCUMULATE=accumulate,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+    meta = dict(
+        N=n,
+        N_OUT=n_out,
+        HAS_Y=has_y,
+        **_unroll(n, n_out),
+        WRITE_DX=need_grad_x,
+        ACCUMULATE=accumulate,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
     grid = (cdiv(T, block_t), max(1, cdiv(chunks, split_chunks)))
     return grid, split_chunks, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
 
@@ -410,14 +548,26 @@ def stream_mix_fwd_unchecked(x, w, y=None, b=None):
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
     block_t, block_d, meta, key = _fwd_meta(n, n_out, d, has_y)
-    launch(stream_mix_fwd_kernel, (cdiv(T, block_t), cdiv(d, block_d)), (x, y if has_y else x, w, b if has_y else w),
-           (out,), (T, d, stride_w, stride_b), meta, key)
+    launch(
+        stream_mix_fwd_kernel,
+        (cdiv(T, block_t), cdiv(d, block_d)),
+        (x, y if has_y else x, w, b if has_y else w),
+        (out,),
+        (T, d, stride_w, stride_b),
+        meta,
+        key,
+    )
     return out
 
 
 def stream_mix_bwd(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None,
-    grad_out: torch.Tensor, grad_x_acc: torch.Tensor | None = None, need_grad_x: bool = True,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor | None,
+    b: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_x_acc: torch.Tensor | None = None,
+    need_grad_x: bool = True,
 ):
     """Backward of :func:`stream_mix_fwd`: ``(dx, dy, dw, db)``.
 
@@ -476,8 +626,14 @@ SUM_TOKENS = 64  # tokens per program of the partial sums
 @launch_plan
 def _sums_meta(n: int, n_out: int, has_b: bool):
     """``(meta, meta key)`` of the partial sums' launch: one per configuration."""
-    meta = dict(W=n_out * n, WP=next_pow2(n_out * n), B=n_out if has_b else 0, BP=next_pow2(n_out),
-                BLOCK_T=SUM_TOKENS, num_warps=4)
+    meta = dict(
+        W=n_out * n,
+        WP=next_pow2(n_out * n),
+        B=n_out if has_b else 0,
+        BP=next_pow2(n_out),
+        BLOCK_T=SUM_TOKENS,
+        num_warps=4,
+    )
     return meta, ("sums", n_out, n, has_b)
 
 
@@ -489,7 +645,13 @@ def _add_partial_sums(dw_parts, db_parts):
     dw = torch.empty((T, n_out, n), dtype=torch.float32, device=dw_parts.device)
     db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if has_b else None
     meta, key = _sums_meta(n, n_out, has_b)
-    launch(partial_sums_kernel, (cdiv(T, SUM_TOKENS),), (dw_parts, db_parts if has_b else dw_parts),
-           (dw, db if has_b else dw_parts), (T, splits), meta, key)
+    launch(
+        partial_sums_kernel,
+        (cdiv(T, SUM_TOKENS),),
+        (dw_parts, db_parts if has_b else dw_parts),
+        (dw, db if has_b else dw_parts),
+        (T, splits),
+        meta,
+        key,
+    )
     return dw, db
-
