@@ -25,10 +25,7 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from train_toy_lm import MarkovSource  # noqa: E402
+from train_toy_lm import MarkovSource
 
 from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
 
@@ -62,6 +59,16 @@ PRESETS = {
         dtype="bfloat16",
     ),
 }
+
+
+def _peak_extra(fn) -> int:
+    """Bytes allocated at peak by ``fn()`` beyond what was live before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def v4_config(hidden, layers, heads, head_dim, experts, expert_dim, vocab, hc_mult=4, **_):
@@ -179,7 +186,6 @@ def bench_layer(args):
     """The mHC work of one decoder layer, both sites, forward + backward: transformers' modules
     (``DeepseekV4HyperConnection`` and the decoder layer's mixing, as it ships) against the patched
     modules (``split``, the seam to the MLP site, ``finish``), with the branches the identity."""
-    from _bench import peak_extra
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
     from triton.testing import do_bench
 
@@ -226,7 +232,7 @@ def bench_layer(args):
         ms = do_bench(
             step, warmup=25, rep=200, grad_to_none=[x, *attn.parameters(), *ffn.parameters()], return_mode="median"
         )
-        peak = peak_extra(step) / 2**30
+        peak = _peak_extra(step) / 2**30
         rows.append((label, ms, peak))
         print(
             f"  one decoder layer's mHC, fwd+bwd, d={dim}, {args.bench_tokens} tokens: {label:>12} {ms:8.3f} ms, "

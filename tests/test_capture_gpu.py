@@ -4,7 +4,6 @@ and the fused loss (``capturable=True``), against the same steps run eagerly; th
 ``--cuda-graph``."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -127,7 +126,6 @@ def test_compile_reduce_overhead_matches_eager(recompute):
 
 def test_toy_lm_cuda_graph_equals_eager(tmp_path):
     """The toy LM's GPU model (smaller), fp32: 20 steps captured against 20 eager steps."""
-    sys.path.insert(0, "examples")
     from train_toy_lm import main
 
     common = [

@@ -190,8 +190,7 @@ def aoti_loads(tmp_path_factory):
     """Whether this machine's AOTInductor loads any package: a plain ``nn.Linear``'s. On the H100
     image the compiler that ``CXX`` names (``/opt/gcc/bin/g++``, a wrapper) builds package
     libraries without the shared ``libstdc++``, and they crash (SIGSEGV) in ``std::regex`` while
-    the loader builds the model; ``scripts/small_tokens_gpu.sh`` sets the system's ``g++``
-    (docs/small_tokens.md, ``scripts/aoti_load_probe.py``)."""
+    the loader builds the model; set ``CXX`` to the system's ``g++`` there (docs/compile.md)."""
     tmp = tmp_path_factory.mktemp("aoti_linear")
     linear = nn.Linear(DIM, DIM).cuda().eval()
     x = torch.randn(8, DIM, device="cuda")

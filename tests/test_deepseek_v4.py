@@ -220,7 +220,6 @@ def test_transformers_without_deepseek_v4(monkeypatch):
 
 
 def test_example_fine_tunes_both_models(tmp_path):
-    sys.path.insert(0, "examples")
     from deepseek_v4 import main
 
     main(["--preset", "cpu", "--steps", "3", "--out-dir", str(tmp_path)])

@@ -1,15 +1,10 @@
 """The MoE lane-mixing example: quick path, what it writes, the mixing matrices it reports."""
 
 import json
-import sys
-from pathlib import Path
 
+import moe_lanes  # examples/ is on pytest's path (pyproject.toml)
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # the example imports the toy LM's data and attention
-import moe_lanes  # noqa: E402
 
 TINY = [
     "--dim",

@@ -1,4 +1,4 @@
-"""scripts/weak_scaling.py end to end on the CPU (gloo, a small model): 1 and 2 processes per arm,
+"""bench/weak_scaling.py end to end on the CPU (gloo, a small model): 1 and 2 processes per arm,
 the table and the CSV."""
 
 import csv
@@ -10,7 +10,8 @@ import sys
 def test_driver_runs_every_arm_on_one_and_two_processes(tmp_path):
     cmd = [
         sys.executable,
-        "scripts/weak_scaling.py",
+        "-m",
+        "bench.weak_scaling",
         "--gpus",
         "1",
         "2",

@@ -6,7 +6,7 @@ launches four to six kernels per step, so :func:`launch` keeps the compiled kern
 specialization and calls its launcher directly: a site's host time over its branch went from
 +1955 to +1109 us on an H100 machine (``docs/mixing.md``, "Host time"). One launch takes about
 9 us on the H100 machines measured last, 4.5-5 of them in the compiled kernel's own launcher
-(``scripts/launch_host.py``; ``kernel[grid]`` takes 16-17 us there).
+(``kernel[grid]`` costs several times more host time per launch).
 
 The compiled launcher is handed the tensors' addresses as ints. Given a tensor, Triton's launcher
 calls its ``data_ptr()`` and asks the driver about the address (``cuPointerGetAttribute``), for

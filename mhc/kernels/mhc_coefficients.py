@@ -647,7 +647,7 @@ def dx_precision(dtype: torch.dtype, n: int) -> str:
 def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection in one pass (where
     ``coefficients_split_config`` is ``None``; its n = 5..8 tiles serve the sweeps of
-    ``scripts/tune_mixing.py``, which compare the split against them)."""
+    ``bench/tune_mixing.py``, which compare the split against them)."""
     if 4 < n <= 8:  # measured on an H100 at n = 8: 1.51 ms against 2.73 ms for (32, 64, 4, 3)
         return 64, 64, 4, 4
     cols = _columns(n)
@@ -659,7 +659,7 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages, waves)`` of the forward split over ``K``
     (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
 
-    H100, bf16, 16k / 8k tokens (``python scripts/tune_mixing.py coefficients-split [n=8]``,
+    H100, bf16, 16k / 8k tokens (``python -m bench.tune_mixing coefficients-split [n=8]``,
     docs/benchmarks/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
     1.51 / 1.09 ms to 1.05 / 0.54 ms and d = 1024 from 0.39 / 0.28 to 0.30 / 0.28; at n = 4,
     d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13 at
@@ -667,7 +667,7 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
 
     Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``): the
     one-pass grid leaves SMs idle, and the split over 64-token tiles fills them
-    (``python scripts/tune_mixing.py small-tokens``, docs/benchmarks/small_tokens_sweep_h100.log):
+    (``python -m bench.tune_mixing small-tokens``, docs/benchmarks/small_tokens_sweep_h100.log):
     d = 1024 at 1k / 2k / 4k / 8k tokens 65 / 62 / 66 / 81 us -> 27 / 27 / 41 / 67 us; d = 4096
     264 / 283 / 289 / 324 us -> 72 / 94 / 142 / 249 us. A symbolic token count (a graph compiled
     for any count) takes the rule for many tokens: no guard on the count.
@@ -694,7 +694,7 @@ def coefficients_finish_config(n: int, few: bool) -> tuple[int, int, int]:
     forward; within 3% of each other in the sweep's other cases). After the small-token split
     (``few``), 8-token tiles: four times the programs (H100, the forward at d = 1024, 1k / 2k / 4k
     tokens: 27.3 / 26.6 / 40.8 -> 19.2 / 22.9 / 39.1 us; d = 4096 71.8 / 93.8 / 141.8 -> 66.9 /
-    93.1 / 142.7 us; but at 16k tokens 461 -> 477 us, ``python scripts/tune_mixing.py
+    93.1 / 142.7 us; but at 16k tokens 461 -> 477 us, ``python -m bench.tune_mixing
     small-tokens-epilogues``)."""
     return (8, 128, 4) if few else (32, 128, 4)
 
@@ -799,12 +799,12 @@ def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int,
     4-token tiles: twice the programs of 8-token ones and faster at every size measured (H100,
     n = 4, 1k / 2k / 4k / 16k tokens: d = 1024 8.0 / 8.3 / 18.8 / 64.8 -> 5.3 / 6.1 / 14.2 /
     64.4 us; d = 4096 49.4 / 55.9 / 72.2 / 241 -> 24.0 / 35.6 / 61.0 / 228 us; ``python
-    scripts/tune_mixing.py small-tokens-epilogues``).
+    bench/tune_mixing.py small-tokens-epilogues``).
 
     Where 4-token tiles would give fewer than ``GRAD_WAVES`` programs per SM (n <= 4; up to 1k
     tokens on an H100), one-token tiles 1024 channels wide: four times the programs, each with
     twice the bytes in flight (d = 4096, 1k tokens: 23.8 -> 15.5 us; d = 1024 5.3 -> 4.9 us; at
-    2k tokens no faster, at d = 1024 slower: 6.2 -> 8.3 us; ``python scripts/tune_mixing.py
+    2k tokens no faster, at d = 1024 slower: 6.2 -> 8.3 us; ``python -m bench.tune_mixing
     small-tokens-mix``). A symbolic token count takes 4-token tiles.
     """
     if n <= 4 and type(tokens) is int and cdiv(tokens, 4) < GRAD_WAVES * sms:
@@ -1093,13 +1093,13 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
     each: each split writes a partial ``dphi`` (``K * M`` fp32) that is read again to be added, and
     where tokens are few more splits than that move more bytes than they save (H100, d = 1024,
     n = 4, 1k tokens: coefficient backward 46 us with 12 splits of 1-2 blocks, 38 us with 4;
-    ``python scripts/tune_mixing.py small-tokens``).
+    ``python -m bench.tune_mixing small-tokens``).
 
     ``resident``: programs an SM holds at once, where known. Then the splits (up to ``waves``
     programs per SM) are those that finish soonest counted in whole rounds of resident programs,
     ``rounds(splits) * blocks per split``, the fewest on ties: a last round that is partly empty
     costs as much as a full one (d = 1024, n = 4, 2k tokens: 8 splits are 512 programs, 1.3
-    rounds of 396; 6 splits are one round, 49.2 -> 41.6 us; ``python scripts/tune_mixing.py
+    rounds of 396; 6 splits are one round, 49.2 -> 41.6 us; ``python -m bench.tune_mixing
     small-tokens-projection``). Otherwise about ``waves`` programs per SM.
     """
     blocks, sms = cdiv(T, block_t), sm_count(device)

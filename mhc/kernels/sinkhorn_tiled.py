@@ -38,7 +38,7 @@ from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import INTERPRET, launch
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
-# Per NP, from H100 sweeps (docs/sinkhorn.md, scripts/tune_sinkhorn.py): fwd and implicit
+# Per NP, from H100 sweeps (docs/sinkhorn.md, bench/tune_sinkhorn.py): fwd and implicit
 # (BLOCK_T, RI, num_warps); bwd (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
 # iterations whose row scalings the exact backward holds on chip; RECOMPUTE_R1 trades a second
 # read of the logits for the registers of the first iteration's row sums.

@@ -418,7 +418,7 @@ def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
     The same tiles where tokens are few: one-token tiles give more programs, but at n = 4 none was
     faster by more than 6% at 1k tokens and all were slower from 2k tokens on (d = 4096, 1k
     tokens: (1, 512, 2) 49.1 us, (4, 256, 4) 52.1, (1, 1024, 4) 53.0; 2k: 92.2, 87.5, 98.2;
-    ``python scripts/tune_mixing.py small-tokens-mix``)."""
+    ``python -m bench.tune_mixing small-tokens-mix``)."""
     block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = 1024 if n <= 8 else 256
     return max(1, values // block_d), block_d, 4
@@ -436,7 +436,7 @@ def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
 # then split over programs, which write partial coefficient gradients that one launch adds. H100,
 # n = 4, d = 4096, 1k tokens: post-mix backward 53.0 us in one range, 46.4 in 2, 49.9 in 3 (whose
 # last is shorter), 47.9 in 4; pre-mix (one stream out) 64.5 us, 49.1 in 2, 41.8 in 4; no range
-# count gains at 4k tokens (docs/small_tokens.md, ``python scripts/tune_mixing.py small-tokens-split``).
+# count gains at 4k tokens (docs/small_tokens.md, ``python -m bench.tune_mixing small-tokens-split``).
 MIX_BWD_WAVES = 4  # programs per SM the split aims at: the post-mix (several streams out)
 PRE_MIX_BWD_WAVES = 8  # one stream out: less work per program, more programs pay
 # chunks of BLOCK_D channels per range at least: the post-mix gained nothing from ranges of 2 chunks

@@ -1,6 +1,6 @@
 """Benchmark hyper-connections against plain residuals and the peers, from one kernel to a model.
 
-    python examples/benchmark_mixing.py --out-dir results/mixing      # on a CUDA GPU
+    python -m bench.mixing --out-dir results/mixing      # on a CUDA GPU
 
 Three tables, all bf16 activations, forward + backward, ``triton.testing.do_bench`` medians
 after warm-up, in one run:
@@ -33,9 +33,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _bench import peak_extra, write_csv
 from torch import nn
 
+from bench.harness import peak_extra, write_csv
 from mhc.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
 from mhc.recompute import recompute_streams
@@ -576,7 +576,7 @@ def main(argv=None):
     p.add_argument("--profile-rows", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmark_mixing.py needs a CUDA GPU")
+        sys.exit("bench.mixing needs a CUDA GPU")
     os.makedirs(args.out_dir, exist_ok=True)
     copy_gbps = copy_bandwidth()
     print(

@@ -1,6 +1,6 @@
 """Development tool for the Sinkhorn kernels on a CUDA GPU (one run, one table per section).
 
-    python scripts/tune_sinkhorn.py [tiles | tiles=bwd,implicit[:FILE]] [layout] [ir] [compile]
+    python -m bench.tune_sinkhorn [tiles | tiles=bwd,implicit[:FILE]] [layout] [ir] [compile]
 
 - ``tiles``: the tiled kernels' ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` over a grid of
   choices (``candidates``, or the ones a JSON-lines FILE lists), per ``NP`` class (n = 8, 16, 32,

@@ -1,6 +1,6 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
-    python scripts/tune_mixing.py [compile] [overhead] [host] [projection] [projection-split [tf32]]
+    python -m bench.tune_mixing [compile] [overhead] [host] [projection] [projection-split [tf32]]
                                   [coefficients] [coefficients-split] [small-tokens] [small-tokens-epilogues]
                                   [small-tokens-mix] [small-tokens-split] [mix-bwd] [n=8]
 
@@ -23,7 +23,7 @@
 - ``small-tokens-split``: the mix backward over ranges of ``D`` where tokens are few;
 - ``host`` / ``overhead``: cProfile and host time of one layer's forward + backward at 64 tokens.
 
-A whole training step's GPU time by kernel: ``scripts/profile_model.py``.
+A whole training step's GPU time by kernel: ``bench/profile_model.py``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ import tempfile
 import time
 
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # cold cache for the compile table
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torch  # noqa: E402
+import torch
 
-from mhc import kernels  # noqa: E402
-from mhc.kernels import _launch, mhc_coefficients, stream_mix  # noqa: E402
+from mhc import kernels
+from mhc.kernels import _launch, mhc_coefficients, stream_mix
 
 
 def _uncached():
@@ -87,9 +86,9 @@ def launch_overhead():
     before each step as in training."""
     import statistics
 
-    from benchmark_mixing import MLP, wrap
     from torch import nn
 
+    from bench.mixing import MLP, wrap
     from mhc.mixing import HyperConnection
 
     dim, sites, dev = 256, 8, "cuda"
@@ -157,7 +156,7 @@ def host_profile():
     import cProfile
     import pstats
 
-    from benchmark_mixing import MLP, wrap
+    from bench.mixing import MLP, wrap
 
     module = wrap("mhc", MLP(256).cuda().to(torch.bfloat16), 256, 4)
     x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

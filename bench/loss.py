@@ -1,9 +1,9 @@
 """Benchmark the fused linear + cross-entropy against PyTorch and the peers, side by side.
 
-    python examples/benchmark_loss.py --out results/loss.csv           # on a CUDA GPU
-    python examples/benchmark_loss.py --options --tokens 8192         # LM-training extras on
-    python examples/benchmark_loss.py --sweep                         # tile shapes of mhc's kernels
-    python examples/benchmark_loss.py --profile                       # idle gaps of mhc's step
+    python -m bench.loss --out results/loss.csv           # on a CUDA GPU
+    python -m bench.loss --options --tokens 8192         # LM-training extras on
+    python -m bench.loss --sweep                         # tile shapes of mhc's kernels
+    python -m bench.loss --profile                       # idle gaps of mhc's step
 
 Forward+backward of ``loss = CE(x @ W^T, target)`` (mean), bf16 ``x [N, D]`` and ``W [V, D]``, random
 data, for each N and (D, V): ``triton.testing.do_bench`` median time and peak memory beyond the
@@ -24,8 +24,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from _bench import peak_extra, write_csv
 
+from bench.harness import peak_extra, write_csv
 from mhc.losses import linear_cross_entropy
 
 SHAPES = [(4096, 128256), (2304, 256000)]
@@ -272,7 +272,7 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmark_loss.py needs a CUDA GPU")
+        sys.exit("bench.loss needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.sweep:
         sweep(n=args.tokens[0] if args.tokens != TOKENS else 8192)

@@ -1,8 +1,8 @@
 """Benchmark: mhc Sinkhorn kernels vs eager PyTorch, torch.compile and the memory floor.
 
-    python examples/benchmark_sinkhorn.py --out results/sinkhorn.csv       # on a CUDA GPU
-    python examples/benchmark_sinkhorn.py --plot results/sinkhorn.csv      # draw the plot (anywhere)
-    python examples/benchmark_sinkhorn.py --n 4 8 16 32 64 --mib 256 --impl mhc_exact mhc_implicit compile
+    python -m bench.sinkhorn --out results/sinkhorn.csv       # on a CUDA GPU
+    python -m bench.sinkhorn --plot results/sinkhorn.csv      # draw the plot (anywhere)
+    python -m bench.sinkhorn --n 4 8 16 32 64 --mib 256 --impl mhc_exact mhc_implicit compile
                                                        # many lanes: 256 MiB of logits per n
 
 For each n and T (matrices of n x n, fp32 logits, 20 iterations) it times forward and
@@ -21,8 +21,8 @@ import os
 import sys
 
 import torch
-from _bench import peak_extra, write_csv
 
+from bench.harness import peak_extra, write_csv
 from mhc import reference
 from mhc.layer import sinkhorn
 
@@ -195,7 +195,7 @@ def main(argv=None):
         plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmark_sinkhorn.py needs a CUDA GPU (use --plot CSV to draw an existing result)")
+        sys.exit("bench.sinkhorn needs a CUDA GPU (use --plot CSV to draw an existing result)")
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}",
         flush=True,

@@ -1,8 +1,8 @@
-"""Where a training step's host time goes: ``cProfile`` over steps of ``examples/benchmark_mixing.py``'s
+"""Where a training step's host time goes: ``cProfile`` over steps of ``bench/mixing.py``'s
 GPT, one arm at a time; the functions with the most own time per step, and the kernels and
 launches per step (``torch.profiler``).
 
-    python scripts/profile_host.py [--model 1024] [--batch 2] [--seq 1024] [--arms plain mhc mhc-chain]
+    python -m bench.profile_host [--model 1024] [--batch 2] [--seq 1024] [--arms plain mhc mhc-chain]
                                    [--mode eager|compiled]
 
 ``--mode compiled`` profiles the step of ``torch.compile(model)`` (after its first, compiling,
@@ -15,17 +15,13 @@ import argparse
 import collections
 import cProfile
 import io
-import os
 import pstats
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
-import benchmark_mixing as bench  # noqa: E402
+from bench import mixing as gpt
 
 
 def launches_per_step(step, steps: int) -> tuple[float, list]:
@@ -49,7 +45,7 @@ def launches_per_step(step, steps: int) -> tuple[float, list]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="1024", choices=sorted(bench.MODELS))
+    p.add_argument("--model", default="1024", choices=sorted(gpt.MODELS))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--arms", nargs="+", default=["plain", "mhc", "mhc-chain"])
@@ -57,10 +53,10 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=35)
     args = p.parse_args()
-    cfg = bench.MODELS[args.model]
+    cfg = gpt.MODELS[args.model]
     for arm in args.arms:
         torch._dynamo.reset()
-        step, _, _ = bench.training_step(arm, cfg, args.batch, args.seq, args.mode)
+        step, _, _ = gpt.training_step(arm, cfg, args.batch, args.seq, args.mode)
         for _ in range(10):
             step()
         torch.cuda.synchronize()

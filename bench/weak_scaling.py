@@ -1,7 +1,7 @@
 """Weak scaling of a GPT with plain residuals and with mhc hyper-connections under FSDP2: the same
 tokens per GPU on 1 and on N GPUs, several runs each.
 
-    python scripts/weak_scaling.py --gpus 1 2 --tokens 8192 16384 --runs 5 --out results/scaling
+    python -m bench.weak_scaling --gpus 1 2 --tokens 8192 16384 --runs 5 --out results/scaling
 
 The driver launches one ``torchrun`` job per (tokens, GPUs); a job builds each arm's model afresh
 for every run, the arms interleaved within a run, and times it. The driver writes ``scaling.csv``
@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from benchmark_mixing import MLP, Attention  # noqa: E402
+from bench.mixing import MLP, Attention
 
 ARMS = ("plain", "mhc", "mhc-chain")
 SEQ = 2048
@@ -199,7 +198,8 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={gpus}",
-        __file__,
+        "-m",
+        "bench.weak_scaling",
         "--worker",
         "--arms",
         *arms,

@@ -1,7 +1,7 @@
 """Where the first compiled step's time goes (compile time): ``cProfile`` of ``torch.compile``'s first
-training step of ``examples/benchmark_mixing.py``'s GPT, one arm.
+training step of ``bench/mixing.py``'s GPT, one arm.
 
-    python scripts/profile_compile.py [--arm mhc] [--model 1024] [--batch 2] [--seq 1024]
+    python -m bench.profile_compile [--arm mhc] [--model 1024] [--batch 2] [--seq 1024]
 """
 
 from __future__ import annotations
@@ -9,28 +9,24 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
-import benchmark_mixing as bench  # noqa: E402
+from bench import mixing as gpt
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--arm", default="mhc")
-    p.add_argument("--model", default="1024", choices=sorted(bench.MODELS))
+    p.add_argument("--model", default="1024", choices=sorted(gpt.MODELS))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rows", type=int, default=40)
     args = p.parse_args()
-    cfg = bench.MODELS[args.model]
-    step, _, _ = bench.training_step(args.arm, cfg, args.batch, args.seq, "compiled")
+    cfg = gpt.MODELS[args.model]
+    step, _, _ = gpt.training_step(args.arm, cfg, args.batch, args.seq, "compiled")
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()

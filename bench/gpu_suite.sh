@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One pass on a CUDA machine: the GPU tests, then the Sinkhorn benchmark
-# (examples/benchmark_loss.py and benchmark_mixing.py run separately: each takes minutes;
+# (bench.loss and bench.mixing run separately: each takes minutes;
 # the mixing GPU tests take about 3.5 minutes on a cold Triton cache).
-#   bash scripts/gpu_suite.sh [pytest -k expression] [benchmark args...]
+#   bash bench/gpu_suite.sh [pytest -k expression] [benchmark args...]
 # Logs and CSVs go to $OUT (or results/). Wheels in .whl/ (pytest, hypothesis, einops) are
 # installed to /tmp/site first when the machine has no package index.
 set -uo pipefail
@@ -21,4 +21,4 @@ python3 -m pytest -q -p no:cacheprovider tests/test_sinkhorn_gpu.py tests/test_s
   tests/test_mixing_fused.py tests/test_mixing_edges.py tests/test_mixing_chain.py tests/test_mixing_chain_gpu.py \
   tests/test_launch.py tests/test_capture_gpu.py tests/test_deepseek_v4.py tests/test_losses_gpu.py \
   ${filter:+-k "$filter"} 2>&1 | tee "$out/tests.log"
-python3 examples/benchmark_sinkhorn.py --out "$out/sinkhorn.csv" "$@" 2>&1 | tee "$out/bench.log"
+python3 -m bench.sinkhorn --out "$out/sinkhorn.csv" "$@" 2>&1 | tee "$out/bench.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The toy LM (mhc arm) on one GPU against DDP and FSDP2 on two GPUs with the same global batch,
 # and activation memory with and without checkpointing: the tables of docs/distributed.md.
-#   bash scripts/distributed_gpu.sh [steps]
+#   bash bench/distributed_gpu.sh [steps]
 # Needs 2 CUDA GPUs. Tables (tables.md), the JSONL logs (logs.tgz) and the GPU description go to
 # $OUT (or results/distributed).
 set -euo pipefail
@@ -22,7 +22,7 @@ two="python3 -m torch.distributed.run --standalone --nproc_per_node=2"
 table() {  # table TITLE REFERENCE RUN... [options]
   printf '\n### %s\n\n' "$1" >> "$out/tables.md"
   shift
-  python3 scripts/distributed_table.py "$@" | tee -a "$out/tables.md"
+  python3 -m bench.distributed_table "$@" | tee -a "$out/tables.md"
 }
 
 # 1. equivalence in fp32 (logged losses are fp32; bf16 losses are rounded to 1/64 at loss 2-4)

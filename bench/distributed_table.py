@@ -1,6 +1,6 @@
 """Markdown table of toy LM runs (examples/train_toy_lm.py logs) against a reference run.
 
-    python scripts/distributed_table.py REFERENCE_DIR RUN_DIR [RUN_DIR ...] [--arm mhc] [--skip 20]
+    python -m bench.distributed_table REFERENCE_DIR RUN_DIR [RUN_DIR ...] [--arm mhc] [--skip 20]
 
 Per run: processes (from its run.json), final train and validation loss, the largest per-step
 train-loss difference to the reference run (same steps), tokens/s (median of the logged

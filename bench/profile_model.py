@@ -1,7 +1,7 @@
 """Where a GPT training step's GPU time goes: CUDA kernel time per step by kernel, for the plain
-and the mHC arms of ``examples/benchmark_mixing.py``'s GPT, eager and compiled.
+and the mHC arms of ``bench/mixing.py``'s GPT, eager and compiled.
 
-    python scripts/profile_model.py [--model 4096] [--arms plain mhc] [--steps 3] [--rows 45] [--out profile_model.txt]
+    python -m bench.profile_model [--model 4096] [--arms plain mhc] [--steps 3] [--rows 45] [--out profile_model.txt]
 
 Each arm runs 5 steps, then ``--steps`` steps under ``torch.profiler``; the table lists the
 kernels with the most time per step (ms) and how often each runs per step. Comparing the arms'
@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
-import benchmark_mixing as bench  # noqa: E402
+from bench import mixing as gpt
 
 
 def kernel_times(arm: str, config: dict, compiled: bool, steps: int, seq: int = 2048):
     """``(ms per step, calls per step)`` of every CUDA kernel of one arm's training step."""
-    step, _, _ = bench.training_step(arm, config, config["batch"], seq, "compiled" if compiled else "eager")
+    step, _, _ = gpt.training_step(arm, config, config["batch"], seq, "compiled" if compiled else "eager")
 
     for _ in range(5):
         step()
@@ -44,7 +40,7 @@ def kernel_times(arm: str, config: dict, compiled: bool, steps: int, seq: int = 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="4096", choices=sorted(bench.MODELS))
+    p.add_argument("--model", default="4096", choices=sorted(gpt.MODELS))
     p.add_argument("--arms", nargs="+", default=["plain", "mhc"], choices=["plain", "mhc", "mhc-chain"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=45)
@@ -52,11 +48,11 @@ def main() -> None:
     args = p.parse_args()
     lines = [
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT {args.model}: "
-        f"{bench.MODELS[args.model]}, CUDA kernel time per step over {args.steps} profiled steps"
+        f"{gpt.MODELS[args.model]}, CUDA kernel time per step over {args.steps} profiled steps"
     ]
     for compiled in (False, True):
         for arm in args.arms:
-            ms, calls = kernel_times(arm, bench.MODELS[args.model], compiled, args.steps)
+            ms, calls = kernel_times(arm, gpt.MODELS[args.model], compiled, args.steps)
             lines.append(f"== {'compiled' if compiled else 'eager'} {arm}: {sum(ms.values()):.2f} ms per step")
             lines += [f"  {t:8.3f} ms  {calls[k]:5.1f}x  {k[:110]}" for k, t in ms.most_common(args.rows)]
             torch.cuda.empty_cache()
