@@ -660,14 +660,14 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
 
     H100, bf16, 16k / 8k tokens (``python -m bench.tune_mixing coefficients-split [n=8]``,
-    docs/benchmarks/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
+    bench/results/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
     1.51 / 1.09 ms to 1.05 / 0.54 ms and d = 1024 from 0.39 / 0.28 to 0.30 / 0.28; at n = 4,
     d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13 at
     128-token tiles.
 
     Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``): the
     one-pass grid leaves SMs idle, and the split over 64-token tiles fills them
-    (``python -m bench.tune_mixing small-tokens``, docs/benchmarks/small_tokens_sweep_h100.log):
+    (``python -m bench.tune_mixing small-tokens``, bench/results/small_tokens_sweep_h100.log):
     d = 1024 at 1k / 2k / 4k / 8k tokens 65 / 62 / 66 / 81 us -> 27 / 27 / 41 / 67 us; d = 4096
     264 / 283 / 289 / 324 us -> 72 / 94 / 142 / 249 us. A symbolic token count (a graph compiled
     for any count) takes the rule for many tokens: no guard on the count.
@@ -720,7 +720,7 @@ def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, in
     if n <= 8:
         # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
         # 244 with tf32x3, no spills. Coefficient backward at d = 4096, n = 8, bf16, H100: 2.57 ms
-        # against 4.20 for the one-pass kernel (docs/benchmarks/mixing_n8_split_h100.log); fp32
+        # against 4.20 for the one-pass kernel (bench/results/mixing_n8_split_h100.log); fp32
         # tiles need two stages to fit in shared memory
         return 64, 64, 4, 3 if dtype.itemsize <= 2 else 2, 6, None
     return 16, 32, 4, 2, 4, None
