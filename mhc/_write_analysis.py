@@ -5,7 +5,7 @@ it generates the kernel's TTIR and walks it (``identify_mutated_tensors`` in PyT
 ``identify_accessed_tensors`` in later versions). Nothing is cached across calls, and the same call is
 analysed up to four times: in functionalization, twice in Inductor's lowering and in the kernel's
 IR node. A GPT of 16 sites makes about 100 kernel calls, so about 300 TTIR generations of kernels
-that unroll their 20 Sinkhorn iterations: most of its first compiled step (``docs/small_tokens.md``,
+that unroll their 20 Sinkhorn iterations: most of its first compiled step (dev/LOG.md,
 "Compile time"). Upstream work on it: pytorch/pytorch#193227.
 
 The answer depends only on the kernel and on what the TTIR generation sees of the arguments: a

@@ -329,7 +329,7 @@ class HyperConnection(nn.Module, Site):
         self._recorder: tuple | None = None  # the open collect_h_res blocks' lists
 
         # two or three parameters, not seven: optimizers and FSDP2 do host work per parameter
-        # (docs/mixing.md, "Host time")
+        # (dev/LOG.md, "Host time")
         self.bias = nn.Parameter(torch.zeros(2 * n + n * n))  # [b_pre | b_post | vec(b_res)]
         if self.dynamic:
             self.alpha = nn.Parameter(torch.full((3,), 0.01))  # the gates (a_pre, a_post, a_res)

@@ -407,8 +407,8 @@ class MHCPreMixFunction(torch.autograd.Function):
 class MHCSeamFunction(torch.autograd.Function):
     """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s dynamic mHC
     coefficients and pre-mix as one autograd op (one node, one set of saved tensors) over the
-    post-mix and coefficient kernels. Fused kernels for both were built and measured no faster on
-    the H100 (``docs/mixing.md``, "The seam").
+    post-mix and coefficient kernels. Fused kernels for both were built and measured no faster
+    (dev/LOG.md, "The seam").
 
     ``(x [..., n, d], y [..., d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix
     inputs) and site ``l+1``'s ``(phi, alpha, bias)`` -> site

@@ -1,4 +1,4 @@
-"""The coefficient backward's one reduction (docs/small_tokens.md, "Fewer launches per site"): the
+"""The coefficient backward's one reduction (dev/LOG.md, "Fewer launches per site"): the
 projection backward adds the coefficient-gradient kernel's per-program bias and gate sums into
 its per-split partial ``dphi``, so that one sum over the splits gives both. Against the separate
 sum of the per-program rows it replaces.

@@ -1,4 +1,4 @@
-"""The coefficient kernels' launch choices where tokens are few (docs/small_tokens.md): the forward
+"""The coefficient kernels' launch choices where tokens are few (dev/LOG.md): the forward
 split over ``K`` when a program per 64 tokens would leave SMs idle, the backward's token splits,
 at least 4 token blocks each, and the coefficient gradient's one-token tiles where 4-token tiles
 are too few programs; the stream-mix backward's split of ``D`` where its programs are few. Each
@@ -133,7 +133,7 @@ def test_token_splits_fill_whole_rounds_of_resident_programs(
 )
 def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
     """The choices measured best on an H100 (n = 4: 3 resident programs per SM;
-    ``tune_mixing.py small-tokens-projection``, docs/small_tokens.md)."""
+    ``tune_mixing.py small-tokens-projection``, dev/LOG.md)."""
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
     block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
         N, dim, torch.bfloat16, True, True, "tf32", "both"
@@ -342,7 +342,7 @@ def test_the_mix_backward_grid_covers_every_chunk_once(tokens, splits, monkeypat
 
 def test_a_symbolic_token_count_takes_one_range_of_d():
     assert stream_mix.bwd_d_splits(N, N, 4096, ShapeEnv().create_unbacked_symint(), SMS) == 1
-    if HAS_CUDA:  # the launcher's own choice where the site's backward was slowest (docs/small_tokens.md)
+    if HAS_CUDA:  # the launcher's own choice where the site's backward was slowest (dev/LOG.md)
         assert stream_mix.bwd_d_splits(N, N, 4096, 1024, mhc_coefficients.sm_count(torch.device(DEVICE))) > 1
 
 

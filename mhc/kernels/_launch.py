@@ -3,15 +3,13 @@
 ``kernel[grid](*args, **meta)`` binds every argument, asks Triton's specializer about each of them,
 hashes the result and looks the compiled kernel up before launching it. A hyper-connection site
 launches four to six kernels per step, so :func:`launch` keeps the compiled kernel of each
-specialization and calls its launcher directly: a site's host time over its branch went from
-+1955 to +1109 us on an H100 machine (``docs/mixing.md``, "Host time"). One launch takes about
-9 us on the H100 machines measured last, 4.5-5 of them in the compiled kernel's own launcher
-(``kernel[grid]`` costs several times more host time per launch).
+specialization and calls its launcher directly, which takes several times less host time per
+launch (measurements: dev/LOG.md, "Host time").
 
 The compiled launcher is handed the tensors' addresses as ints. Given a tensor, Triton's launcher
 calls its ``data_ptr()`` and asks the driver about the address (``cuPointerGetAttribute``), for
-every pointer argument of every launch; given an int, it takes it as it is (0.1-0.2 us less per
-pointer, ``docs/small_tokens.md``). The addresses of the inputs are read anyway for the key. A
+every pointer argument of every launch; given an int, it takes it as it is. The addresses of the
+inputs are read anyway for the key. A
 launch hook (a profiler) still gets the tensors.
 
 The cache key holds what Triton specializes on: the launch's device and meta-parameters, per
@@ -20,7 +18,7 @@ range, whether it is 1 and whether it is a multiple of 16, the type of anything 
 passes the tensors it has just allocated for the kernel to write apart (``outputs``), and they are
 not part of the key: the allocator's blocks are aligned to far more than 16 bytes, and their dtypes
 follow from the inputs' and the meta-parameters (an input's dtype, or fp32). (Reading a tensor's
-dtype and address costs about 0.3 us on the host, and a site's launches pass 23 such outputs.)
+dtype and address costs host time, and a site's launches pass 23 such outputs.)
 The key is at least as fine as Triton's own, so a cached kernel is one that ``kernel[grid]``
 would have picked. A miss goes through ``kernel[grid]`` (which compiles or finds the kernel) and
 stores what it returns.
@@ -173,7 +171,7 @@ def _traced_launch(kernel, grid, args, meta, meta_key) -> None:
 
 def _no_hook(hook) -> bool:
     """Whether a launch hook of Triton's is unset: ``None``, or an empty chain of hooks (Triton
-    3.5+ keeps a ``HookChain`` there always; building the metadata for it costs 2 us a launch)."""
+    3.5+ keeps a ``HookChain`` there always, and building the metadata for it costs host time)."""
     return not getattr(hook, "calls", hook)
 
 

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 MAX_N = 64
-# From this n on, the Sinkhorn launchers run the tiled kernels of sinkhorn_tiled.py (H100 sweep:
-# docs/sinkhorn.md); the per-row kernels unroll their code per row and stay for small n.
+# From this n on, the Sinkhorn launchers run the tiled kernels of sinkhorn_tiled.py (docs/sinkhorn.md);
+# the per-row kernels unroll their code per row and stay for small n, where they are faster.
 TILED_MIN_N = 7
 
 

@@ -23,7 +23,7 @@ over (tile of 128 tokens, range of columns) write partial projections and sums o
 then runs the same epilogue, pre-mix and Sinkhorn core. Every tile of tokens reads all of ``phi``
 (10 MiB at d = 4096, n = 8) from L2: wider tiles read it fewer times, and the split keeps the SMs
 busy with fewer of them. Where tokens are few the tiles are 64 tokens wide and the finishing
-kernel's 8 (docs/small_tokens.md).
+kernel's 8 (dev/LOG.md, "Kernels where tokens are few").
 
 The backward is split in two passes because the input gradient of the projection needs every
 coefficient's gradient first:
@@ -39,7 +39,7 @@ coefficient's gradient first:
    one partial per split, followed by the split's share of the first pass's per-program sums, so
    that one reduction adds both. At n = 5..8 the ``dphi`` accumulators (res columns 32 or 64
    wide) beside the ``dx`` tiles spill, so ``dx`` and ``dphi`` are two launches of the kernel,
-   each reading ``x``: one more read of the streams, and no spills (faster by a third).
+   each reading ``x``: one more read of the streams, and no spills.
 
 Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
@@ -637,8 +637,7 @@ def _split_bf16(x: torch.Tensor) -> bool:
 def dx_precision(dtype: torch.dtype, n: int) -> str:
     """Precision of ``g @ phi^T`` in the projection backward. A bf16 ``dx`` keeps 8 significant
     bits: one tf32 product (11 bits, a third of tf32x3's tensor-core work) stays below its rounding
-    (H100, n = 4: the same error against an fp32 computation, 1.66e-3, and 1.255 -> 1.125 ms for
-    the coefficient backward at d = 4096). fp16 (11 bits) and fp32 keep tf32x3. Up to n = 8; at
+    (the same error against an fp32 computation, measured). fp16 (11 bits) and fp32 keep tf32x3. Up to n = 8; at
     n = 5..8 only in the ``dx`` pass of the split backward (``projection_passes``): the one-pass
     kernel with tf32 stopped with an illegal memory access under Triton 3.6."""
     return "tf32" if dtype == torch.bfloat16 and n <= 8 else "tf32x3"
@@ -648,7 +647,7 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection in one pass (where
     ``coefficients_split_config`` is ``None``; its n = 5..8 tiles serve the sweeps of
     ``bench/tune_mixing.py``, which compare the split against them)."""
-    if 4 < n <= 8:  # measured on an H100 at n = 8: 1.51 ms against 2.73 ms for (32, 64, 4, 3)
+    if 4 < n <= 8:  # larger token tiles at n = 5..8 (the sweep of dev/LOG.md, "Launch choices")
         return 64, 64, 4, 4
     cols = _columns(n)
     block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
@@ -659,18 +658,15 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages, waves)`` of the forward split over ``K``
     (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
 
-    H100, bf16, 16k / 8k tokens (``python -m bench.tune_mixing coefficients-split [n=8]``,
-    bench/results/mixing_coefficients_split_h100.log): at n = 8 the split takes d = 4096 from
-    1.51 / 1.09 ms to 1.05 / 0.54 ms and d = 1024 from 0.39 / 0.28 to 0.30 / 0.28; at n = 4,
-    d = 4096 from 0.51 / 0.33 to 0.48 / 0.27, but d = 1024 from 0.13 / 0.09 to 0.14 / 0.13 at
-    128-token tiles.
+    Many tokens: the split pays where one program's ``K`` loop is long (n = 5..8, or ``n * d >=
+    16384``); below that its partial sums cost more than the parallelism gives
+    (``python -m bench.tune_mixing coefficients-split [n=8]``).
 
     Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``): the
     one-pass grid leaves SMs idle, and the split over 64-token tiles fills them
-    (``python -m bench.tune_mixing small-tokens``, bench/results/small_tokens_sweep_h100.log):
-    d = 1024 at 1k / 2k / 4k / 8k tokens 65 / 62 / 66 / 81 us -> 27 / 27 / 41 / 67 us; d = 4096
-    264 / 283 / 289 / 324 us -> 72 / 94 / 142 / 249 us. A symbolic token count (a graph compiled
-    for any count) takes the rule for many tokens: no guard on the count.
+    (``python -m bench.tune_mixing small-tokens``). A symbolic token count (a graph compiled for
+    any count) takes the rule for many tokens: no guard on the count. Measurements: dev/LOG.md,
+    "Launch choices".
     """
     if few_tokens(n, d, tokens, sms):
         return SMALL_TILE, 64, 4, 3, 4
@@ -690,11 +686,8 @@ def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
 
 def coefficients_finish_config(n: int, few: bool) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles, twice
-    the programs of 64-token ones (n = 8, d = 1024, 8k tokens: 0.28 against 0.33 ms for the
-    forward; within 3% of each other in the sweep's other cases). After the small-token split
-    (``few``), 8-token tiles: four times the programs (H100, the forward at d = 1024, 1k / 2k / 4k
-    tokens: 27.3 / 26.6 / 40.8 -> 19.2 / 22.9 / 39.1 us; d = 4096 71.8 / 93.8 / 141.8 -> 66.9 /
-    93.1 / 142.7 us; but at 16k tokens 461 -> 477 us, ``python -m bench.tune_mixing
+    the programs of 64-token ones. After the small-token split (``few``), 8-token tiles: four times
+    the programs, which only pays where tokens are few (``python -m bench.tune_mixing
     small-tokens-epilogues``)."""
     return (8, 128, 4) if few else (32, 128, 4)
 
@@ -714,14 +707,11 @@ def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, in
     registers per thread (``None``: the compiler's choice)."""
     if n <= 4:
         # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
-        # of them. Coefficient backward on an H100, n = 4, 16k tokens: d = 1024 0.274 ms (0.323
-        # uncapped), 2048 0.500 (0.586), 4096 0.961 (1.055); 8 per SM: 0.289, 0.529, 1.018
+        # of them (faster than uncapped registers or 8 programs per SM at every d swept)
         return 64, 64, 4, 3, 6, 168
     if n <= 8:
         # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
-        # 244 with tf32x3, no spills. Coefficient backward at d = 4096, n = 8, bf16, H100: 2.57 ms
-        # against 4.20 for the one-pass kernel (bench/results/mixing_n8_split_h100.log); fp32
-        # tiles need two stages to fit in shared memory
+        # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
         return 64, 64, 4, 3 if dtype.itemsize <= 2 else 2, 6, None
     return 16, 32, 4, 2, 4, None
 
@@ -735,9 +725,9 @@ def projection_passes(n: int) -> tuple[str, ...]:
 
 def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
     """``projection_bwd_config`` of the ``dphi`` pass of a split projection backward: 150
-    registers, no spills (H100 sweep at n = 8: 2.57 ms for the coefficient backward at d = 4096,
-    2.86 ms with (64, 64) tiles). fp16 and fp32 streams take tf32x3 products on fp32 tiles, and
-    fp32 ``(128, 128)`` tiles need more shared memory than an H100 has (272 KiB): ``(64, 64)``."""
+    registers, no spills (the fastest of the n = 8 sweep). fp16 and fp32 streams take tf32x3
+    products on fp32 tiles, and fp32 ``(128, 128)`` tiles need more shared memory than a Hopper SM
+    has: ``(64, 64)``."""
     return (128, 128, 8, 3, 4, None) if dtype == torch.bfloat16 else (64, 64, 4, 2, 4, None)
 
 
@@ -796,15 +786,12 @@ def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int,
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``, a program per ``BLOCK_T``
     tokens over all of ``D``.
 
-    4-token tiles: twice the programs of 8-token ones and faster at every size measured (H100,
-    n = 4, 1k / 2k / 4k / 16k tokens: d = 1024 8.0 / 8.3 / 18.8 / 64.8 -> 5.3 / 6.1 / 14.2 /
-    64.4 us; d = 4096 49.4 / 55.9 / 72.2 / 241 -> 24.0 / 35.6 / 61.0 / 228 us; ``python
-    bench/tune_mixing.py small-tokens-epilogues``).
+    4-token tiles: twice the programs of 8-token ones and faster at every size swept
+    (``python -m bench.tune_mixing small-tokens-epilogues``).
 
-    Where 4-token tiles would give fewer than ``GRAD_WAVES`` programs per SM (n <= 4; up to 1k
-    tokens on an H100), one-token tiles 1024 channels wide: four times the programs, each with
-    twice the bytes in flight (d = 4096, 1k tokens: 23.8 -> 15.5 us; d = 1024 5.3 -> 4.9 us; at
-    2k tokens no faster, at d = 1024 slower: 6.2 -> 8.3 us; ``python -m bench.tune_mixing
+    Where 4-token tiles would give fewer than ``GRAD_WAVES`` programs per SM (n <= 4, about 1k
+    tokens), one-token tiles 1024 channels wide: four times the programs, each with twice the bytes
+    in flight; from 2k tokens on they no longer pay (``python -m bench.tune_mixing
     small-tokens-mix``). A symbolic token count takes 4-token tiles.
     """
     if n <= 4 and type(tokens) is int and cdiv(tokens, 4) < GRAD_WAVES * sms:
@@ -947,7 +934,7 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
 def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
     """Pre-mix programs per token tile of the small-token finishing kernel: about
     ``PRE_MIX_WAVES`` per SM over all tiles, at most one per channel chunk. One program per tile
-    keeps a few KiB of ``x`` in flight per SM, far from what the H100's bandwidth needs."""
+    keeps a few KiB of ``x`` in flight per SM, far from what an HBM GPU's bandwidth needs."""
     return per_tile(tiles, PRE_MIX_WAVES, sms, chunks)
 
 
@@ -1091,16 +1078,14 @@ def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
     """Token splits of a ``(chunks, splits)`` grid, at least ``MIN_SPLIT_BLOCKS`` token blocks
     each: each split writes a partial ``dphi`` (``K * M`` fp32) that is read again to be added, and
-    where tokens are few more splits than that move more bytes than they save (H100, d = 1024,
-    n = 4, 1k tokens: coefficient backward 46 us with 12 splits of 1-2 blocks, 38 us with 4;
-    ``python -m bench.tune_mixing small-tokens``).
+    where tokens are few more splits than that move more bytes than they save (``python -m
+    bench.tune_mixing small-tokens``).
 
     ``resident``: programs an SM holds at once, where known. Then the splits (up to ``waves``
     programs per SM) are those that finish soonest counted in whole rounds of resident programs,
     ``rounds(splits) * blocks per split``, the fewest on ties: a last round that is partly empty
-    costs as much as a full one (d = 1024, n = 4, 2k tokens: 8 splits are 512 programs, 1.3
-    rounds of 396; 6 splits are one round, 49.2 -> 41.6 us; ``python -m bench.tune_mixing
-    small-tokens-projection``). Otherwise about ``waves`` programs per SM.
+    costs as much as a full one (``python -m bench.tune_mixing small-tokens-projection``).
+    Otherwise about ``waves`` programs per SM.
     """
     blocks, sms = cdiv(T, block_t), sm_count(device)
     most = per_tile(chunks, waves, sms, blocks // MIN_SPLIT_BLOCKS)

@@ -16,7 +16,7 @@ how many of a matrix's rows and columns share a thread: a row reduction crosses 
 ``CB``, a column reduction those on ``RI`` (and on ``BLOCK_T``, never). At n = 64 the forward gives
 each thread a 16 x 8 block (``RI = 4``: lanes 4 x 8, one warp per matrix), where a tile with its
 rows alone split would put 16 rows x 4 columns on a thread and send every row sum through 16
-lanes (H100, fp32: forward 2.4x -> 1.7x the clone).
+lanes.
 
 The exact backward recomputes the row scalings from the logits and keeps those of ``SEG``
 iterations as a history tile ``[BLOCK_T, RI, SEGP / 4, RO, 4]`` (slot ``4 * i + j`` on the column
@@ -38,7 +38,7 @@ from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import INTERPRET, launch
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
-# Per NP, from H100 sweeps (docs/sinkhorn.md, bench/tune_sinkhorn.py): fwd and implicit
+# Per NP, from Hopper sweeps (docs/sinkhorn.md, python -m bench.tune_sinkhorn): fwd and implicit
 # (BLOCK_T, RI, num_warps); bwd (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
 # iterations whose row scalings the exact backward holds on chip; RECOMPUTE_R1 trades a second
 # read of the logits for the registers of the first iteration's row sums.
@@ -364,9 +364,9 @@ def _config(n: int, kind: str) -> tuple:
 def row_stride(n: int, element_size: int) -> int:
     """Entries per row of the inputs the kernels read: ``n``, or ``n`` rounded up to 16 bytes
     where rows of ``n`` entries are not 8-byte aligned (fp32: odd ``n``). Such rows cannot be
-    loaded even as pairs, and the compiler then lays the whole kernel out for scalar loads (H100,
-    fp32, forward + exact backward: n = 9 42x -> 29x the clone, n = 33 94x -> 40x, with the copy
-    that pads them). Rows of 8 bytes (n = 6, 10) load as pairs and were slower padded."""
+    loaded even as pairs, and the compiler then lays the whole kernel out for scalar loads (padding
+    them pays for the copy that pads). Rows of 8 bytes (n = 6, 10) load as pairs and were slower
+    padded."""
     if n * element_size % 8 == 0:
         return n
     per_vector = max(1, 16 // element_size)

@@ -411,14 +411,11 @@ def _fwd_config(n: int, d: int) -> tuple[int, int]:
 def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of the backward, a program per ``BLOCK_T`` tokens over all
     of ``D`` (a range of it where tokens are few: :func:`bwd_d_splits`): about 1024 values per
-    stream tile up to n = 8 (H100, post-mix backward at d = 4096: (4, 256) takes 1.47 ms at n = 8
-    and 1.08 ms at n = 6, (2, 256) 4.2 and 2.6 ms); the wide path's batched dot reduces over
-    ``BLOCK_D``: at least 16.
+    stream tile up to n = 8 (half of that was far slower); the wide path's batched dot reduces
+    over ``BLOCK_D``: at least 16.
 
-    The same tiles where tokens are few: one-token tiles give more programs, but at n = 4 none was
-    faster by more than 6% at 1k tokens and all were slower from 2k tokens on (d = 4096, 1k
-    tokens: (1, 512, 2) 49.1 us, (4, 256, 4) 52.1, (1, 1024, 4) 53.0; 2k: 92.2, 87.5, 98.2;
-    ``python -m bench.tune_mixing small-tokens-mix``)."""
+    The same tiles where tokens are few: one-token tiles give more programs, but gained little at
+    1k tokens and lost from 2k tokens on (``python -m bench.tune_mixing small-tokens-mix``)."""
     block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = 1024 if n <= 8 else 256
     return max(1, values // block_d), block_d, 4
@@ -433,17 +430,13 @@ def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
 
 
 # Where tokens are few the backward's programs are few too (256 at d = 4096 and 1k tokens): D is
-# then split over programs, which write partial coefficient gradients that one launch adds. H100,
-# n = 4, d = 4096, 1k tokens: post-mix backward 53.0 us in one range, 46.4 in 2, 49.9 in 3 (whose
-# last is shorter), 47.9 in 4; pre-mix (one stream out) 64.5 us, 49.1 in 2, 41.8 in 4; no range
-# count gains at 4k tokens (docs/small_tokens.md, ``python -m bench.tune_mixing small-tokens-split``).
+# then split over programs, which write partial coefficient gradients that one launch adds. The
+# split pays at 1k tokens and not from 4k on (``python -m bench.tune_mixing small-tokens-split``).
 MIX_BWD_WAVES = 4  # programs per SM the split aims at: the post-mix (several streams out)
 PRE_MIX_BWD_WAVES = 8  # one stream out: less work per program, more programs pay
 # chunks of BLOCK_D channels per range at least: the post-mix gained nothing from ranges of 2 chunks
 # (d = 1024), where a site is bound by the host, which the partial sums' launch costs; the pre-mix
-# gains from them (d = 1024, 1k tokens: 18.3 -> 15.1 us in 2 ranges; d = 2048, 1k: 26.7 -> 23.0 us
-# in 4; the sweep's fastest count, or within 1% of it, at every size swept: 512 to 16k tokens,
-# d = 1024 to 8192)
+# gains from them (the sweep's fastest count, or close to it, at 512 to 16k tokens, d = 1024 to 8192)
 MIN_SPLIT_CHUNKS = 4
 PRE_MIX_MIN_SPLIT_CHUNKS = 2
 
