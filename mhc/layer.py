@@ -157,7 +157,10 @@ def differentiable_backward(saved: torch.Tensor, grad_out: torch.Tensor, iters: 
 class _TorchImplicit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, iters):
-        out = reference.sinkhorn_stable(logits, iters)
+        if torch.compiler.is_compiling():
+            out = reference.sinkhorn_stable(logits, iters)
+        else:  # tokens contiguous, as in _TorchExact
+            out = _tokens_first(reference.sinkhorn_stable(_tokens_last(logits), iters, dims=(0, 1)))
         ctx.save_for_backward(out)
         return out
 
@@ -167,16 +170,49 @@ class _TorchImplicit(torch.autograd.Function):
         return reference.sinkhorn_implicit_backward(out, grad_out), None
 
 
+class _TorchExact(torch.autograd.Function):
+    """The reference formulation with its exact backward written out, on matrices laid out
+    ``[n, n, tokens]`` (tokens contiguous: each op is a vectorised loop over tokens, not over
+    ``n``): the forward keeps each step's divisors rather than every iterate, and the backward
+    walks the steps in reverse (:func:`mhc.reference.sinkhorn_exact_backward`). Double backward
+    differentiates the unrolled loop on the saved logits. ``[..., n, n]`` -> ``[..., n, n]``."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        out, first_row, cols, rows = reference.sinkhorn_divisors(_tokens_last(logits), iters, eps, dims=(0, 1))
+        ctx.save_for_backward(logits, out, first_row, cols, rows)
+        ctx.iters, ctx.eps = iters, eps
+        return _tokens_first(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, out, first_row, cols, rows = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            return differentiable_backward(logits, grad_out, ctx.iters, "exact", ctx.eps), None, None
+        grad = reference.sinkhorn_exact_backward(
+            _tokens_last(logits), out, first_row, cols, rows, _tokens_last(grad_out), ctx.eps, dims=(0, 1)
+        )
+        return _tokens_first(grad), None, None
+
+
+def _tokens_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim((-2, -1), (0, 1)).contiguous()
+
+
+def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim((0, 1), (-2, -1)).contiguous()
+
+
 def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str, eps: float = 0.0) -> torch.Tensor:
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=logits.device.type, enabled=False):
         x = logits.to(compute)
-        if eps > 0:
-            out = reference.sinkhorn_eps(x, iters, eps)
-        elif backward == "exact":
-            out = reference.sinkhorn_stable(x, iters)
-        else:
+        if backward == "implicit":
             out = _TorchImplicit.apply(x, iters)
+        elif torch.compiler.is_compiling():  # the compiled graph fuses and differentiates the loop itself
+            out = reference.sinkhorn_eps(x, iters, eps) if eps > 0 else reference.sinkhorn_stable(x, iters)
+        else:
+            out = _TorchExact.apply(x, iters, eps)
     return out.to(logits.dtype)
 
 

@@ -218,6 +218,46 @@ def test_saved_memory_does_not_grow_with_iters(backward):
     assert saved[2] == saved[50] == x.numel() * x.element_size()
 
 
+@given(
+    n=st.integers(1, 8),
+    iters=st.integers(1, 30),
+    eps=st.sampled_from([0.0, 1e-6, 0.05]),
+    lead=st.lists(st.integers(0, 3), min_size=0, max_size=2),
+    scale=st.floats(0.1, 5.0),
+    seed=st.integers(0, 2**16),
+)
+def test_written_out_backward_matches_autograd_of_the_loop(n, iters, eps, lead, scale, seed):
+    """The CPU path's exact backward (divisors kept, steps walked in reverse, tokens-last layout)
+    against autograd through the same formulation, fp64, with and without DeepSeek-V4's eps."""
+    x = random_logits((*lead, n, n), scale, seed, device="cpu").requires_grad_()
+    g = random_logits((*lead, n, n), 1.0, seed + 1, device="cpu")
+    loop = reference.sinkhorn_eps(x, iters, eps) if eps > 0 else reference.sinkhorn_stable(x, iters)
+    (want,) = torch.autograd.grad(loop, x, g)
+    out = sinkhorn(x, iters, backend="torch", eps=eps)
+    torch.testing.assert_close(out, loop, rtol=0, atol=1e-13)
+    (got,) = torch.autograd.grad(out, x, g)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # the same functions on [..., n, n] and on [n, n, ...] (the layout the path runs on)
+    kept = reference.sinkhorn_divisors(x.detach(), iters, eps)
+    torch.testing.assert_close(reference.sinkhorn_exact_backward(x.detach(), *kept, g, eps), want, rtol=0, atol=1e-10)
+
+
+def test_torch_path_saves_divisors_not_iterates():
+    """The written-out backward keeps the logits, the output and two n-vectors per step: far less
+    than autograd's graph of the unrolled loop (several n x n iterates per step)."""
+    saved = []
+    x = random_logits((10, 4, 4), 1.0, 0, device="cpu").requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        sinkhorn(x, 20, backend="torch")
+    assert sum(saved) <= 10 * (2 * 16 + 2 * 19 * 4)
+
+
+def test_torch_path_double_backward():
+    x = random_logits((3, 4, 4), 1.0, 2, device="cpu").requires_grad_()
+    torch.autograd.gradgradcheck(lambda t: sinkhorn(t, 5, backend="torch"), (x,))
+    torch.autograd.gradgradcheck(lambda t: sinkhorn(t, 5, backend="torch", eps=1e-3), (x,))
+
+
 # ---------------------------------------------------------------- implicit backward
 
 
