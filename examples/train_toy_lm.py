@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mhc.losses import LinearCrossEntropy
-from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
+from mhc.mixing import MAX_STREAMS, HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
 
 ARMS = ("baseline", "hc", "mhc")
 PRESETS = {
@@ -434,6 +434,14 @@ class GraphedStep:
         return self.out
 
 
+def site_path(arm: str, args, device) -> str:
+    """What runs the arm's hyper-connections: the fused Triton kernels or the PyTorch reference."""
+    if arm == "baseline":
+        return "plain residual"
+    fused = device.type == "cuda" and args.streams <= MAX_STREAMS  # what backend="auto" picks
+    return "fused kernels" if fused else "PyTorch reference"
+
+
 def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     """Train one arm; returns its JSONL log. Rank 0 logs, evaluates and checkpoints."""
     out = Path(args.out_dir)
@@ -468,6 +476,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     optimum = source.optimum(args.seq_len)
     progress = _progress(args, rank, start, name)
     tokens_per_step = args.batch_size * args.seq_len
+    path = site_path(arm, args, device)
     tick, last_logged = time.perf_counter(), start
     graphed = (
         GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
@@ -506,6 +515,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
             peak_mem_mib=peak_memory_mib(device),
             lr=lr_at(step, args),
             optimum=optimum,
+            path=path,
         )
         tick, last_logged = now, done
         if (rank == 0 or every_rank_runs_model) and (done % args.eval_every == 0 or done == args.steps):
@@ -586,9 +596,10 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
         lines.append(f"Optimum (entropy of the synthetic source over the window): {optimum:.4f} nats/token")
         lines.append("")
     lines.append(
-        "| arm | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) | max composite gain fwd / bwd |"
+        "| arm | path | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) "
+        "| max composite gain fwd / bwd |"
     )
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for arm, rs in logs.items():
         val = _final(rs, "val_loss")
         gap = f"{val - optimum:.4f}" if optimum is not None else "n/a"
@@ -600,9 +611,12 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
             else "n/a"
         )
         lines.append(
-            f"| {arm} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} "
+            f"| {arm} | {_final(rs, 'path')} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} "
             f"| {_final(rs, 'peak_mem_mib'):.0f} | {gain} |"
         )
+    if any(_final(rs, "path") == "PyTorch reference" for rs in logs.values()):
+        lines += ["", "On a CPU the hyper-connections run the PyTorch reference path: its tokens/s say what mHC costs",
+                  "there, not on a GPU, where the fused kernels run (README, Performance)."]  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

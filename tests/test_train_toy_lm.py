@@ -62,6 +62,9 @@ def test_compare_quick_path_learns_and_writes_everything(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"| {arm} |" in summary for arm in toy.ARMS) and "Optimum" in summary
+    # the table says which path ran: on the CPU the reference
+    assert "| mhc | PyTorch reference |" in summary and "| baseline | plain residual |" in summary
+    assert "not on a GPU" in summary
 
 
 def test_logged_gains_are_the_mixing_metric(tmp_path):
@@ -267,3 +270,4 @@ def test_gpu_path_with_kernels_and_fused_loss(tmp_path):
     for arm in toy.ARMS:
         log = records(tmp_path / f"{arm}_seed0.jsonl")
         assert log[-1]["val_loss"] < math.log(16) - 0.15  # below the uniform guess
+        assert log[-1]["path"] == ("plain residual" if arm == "baseline" else "fused kernels")
