@@ -20,7 +20,7 @@ While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), the ke
 have. Outside the ops (eager mode)
 nothing changes.
 
-Registering the first ``triton_op`` also installs :mod:`mhc._write_analysis`: PyTorch analyses
+Registering the first ``triton_op`` also installs :mod:`mhc._compat.write_analysis`: PyTorch analyses
 which arguments a traced kernel writes once per kernel specialization instead of several times per
 call, which would otherwise dominate the compile time of a model with many sites.
 """
@@ -33,7 +33,8 @@ import os
 
 import torch
 
-from mhc import _compat, _write_analysis
+from mhc import _compat
+from mhc._compat import write_analysis as _write_analysis
 
 __all__ = ["TRITON_OP", "kernel_op"]
 

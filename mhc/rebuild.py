@@ -27,6 +27,8 @@ import contextlib
 
 import torch
 
+from mhc._compat import in_backward, top_saved_tensor_hooks
+
 __all__ = [
     "StreamRecompute",
     "StreamsAt",
@@ -119,20 +121,15 @@ def steps_of(recipe) -> list:
     return [tuple(recipe[i : i + 3]) for i in range(1, len(recipe), 3)]
 
 
-def _saved_tensor_hooks():
-    """The innermost open ``saved_tensors_hooks`` pair ``(pack, unpack)``, or ``None``."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
 def _under_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` decides what this op saves (its forward, or its rerun in
     the backward; the reentrant form reruns in a backward without hooks): the sites there keep
     their streams, so that both runs save the same tensors and no block outlives the backward."""
     if torch.compiler.is_compiling():
         return False
-    if torch._C._current_graph_task_id() != -1:  # running inside a backward
+    if in_backward():
         return True
-    hooks = _saved_tensor_hooks()
+    hooks = top_saved_tensor_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
@@ -262,7 +259,7 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
         )
     sources = {x.untyped_storage().data_ptr(): x}
     layout = (tuple(x.shape), tuple(x.stride()))
-    outer = _saved_tensor_hooks()  # what is not the streams still goes through them
+    outer = top_saved_tensor_hooks()  # what is not the streams still goes through them
 
     def pack(t):
         source = sources.get(t.untyped_storage().data_ptr()) if t.device == x.device else None

@@ -111,12 +111,12 @@ def test_compiled_step_with_the_mix_backward_split_over_d(chain, monkeypatch):
 
 def test_compiled_step_analyses_each_kernel_once(monkeypatch):
     """PyTorch asks which arguments a kernel writes several times per kernel call (functionalization,
-    Inductor's lowering); through ``mhc._write_analysis`` each kernel specialization's TTIR is
+    Inductor's lowering); through ``mhc._compat.write_analysis`` each kernel specialization's TTIR is
     generated once for the whole compiled step, which still matches eager."""
     from torch._higher_order_ops import triton_kernel_wrap
     from torch._inductor import config
 
-    from mhc import _write_analysis
+    from mhc._compat import write_analysis as _write_analysis
 
     assert _write_analysis.installed()
     generated = []

@@ -3,6 +3,7 @@
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -78,3 +79,26 @@ def test_the_circle_finder_finds_one():
 def test_kernel_layer_imports_nothing_above_it(module):
     above = {d for d in _graph()[module] if not d.startswith("mhc.kernels")}
     assert not above, f"{module} imports {sorted(above)}"
+
+
+PRIVATE = re.compile(
+    r"torch\._[a-zA-Z]|\._C\.|triton\.(knobs|runtime|compiler)|from triton import knobs"
+    r"|packed_metadata|launch_metadata|compiled\.run\("
+)
+DOORS = ("_compat/", "kernels/_compat.py")  # the two modules that own every private API
+
+
+def test_private_apis_only_behind_the_compat_doors():
+    found = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in ROOT.rglob("*.py")
+        if not str(path.relative_to(ROOT)).startswith(DOORS)
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE.search(line.split("#")[0])
+    ]
+    assert not found, found
+
+
+def test_the_private_api_pattern_matches():
+    assert PRIVATE.search("stream = torch._C._cuda_getCurrentRawStream(0)")
+    assert PRIVATE.search("from triton import knobs") and not PRIVATE.search("import triton.language as tl")

@@ -182,3 +182,31 @@ def test_fast_launch_calls_registered_launch_hooks():
         else:
             knobs.runtime.launch_enter_hook = chain
     assert seen == ["coefficients_fwd_kernel", "stream_mix_fwd_kernel"], seen
+
+
+@pytest.mark.gpu
+def test_without_the_private_launcher_every_launch_is_kernel_grid(monkeypatch):
+    """Where a Triton's compiled kernels lack the launcher the fast path calls
+    (``mhc.kernels._compat.launches_directly``), every launch goes through ``kernel[grid]``: the
+    cache holds no kernel and the results are the same bits."""
+    from mhc.kernels import _compat
+
+    hc = HyperConnection(64, 4, torch.nn.Linear(64, 64), init="zero").cuda()
+    x = torch.randn(33, 4, 64, device="cuda")
+    expected = hc(x)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    monkeypatch.setattr(_compat, "launches_directly", lambda compiled: False)
+    for _ in range(2):  # the first call fills the cache, the second reads it
+        torch.testing.assert_close(hc(x), expected, rtol=0, atol=0)
+    assert _launch._CACHE and all(cached is None for cached in _launch._CACHE.values())
+
+
+def test_kernel_compat_reports_what_the_fast_launch_needs():
+    from mhc.kernels import _compat
+
+    class Launcher:
+        run = function = packed_metadata = launch_metadata = None
+
+    assert _compat.launches_directly(Launcher()) and not _compat.launches_directly(object())
+    if _compat.FAST_LAUNCH_SUPPORTED:
+        assert len(_compat.launch_hooks()) == 2

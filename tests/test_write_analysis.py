@@ -1,4 +1,4 @@
-"""The cache of PyTorch's write analysis for mhc's kernels (``mhc._write_analysis``): keys by
+"""The cache of PyTorch's write analysis for mhc's kernels (``mhc._compat.write_analysis``): keys by
 class of argument, one analysis per key, other kernels left alone, and a traced model whose every
 kernel call gets the answer PyTorch gives without the cache, from one TTIR generation per kernel
 specialization."""
@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from triton import Config, autotune
 from triton.runtime.jit import JITFunction
 
-from mhc import _write_analysis
+from mhc._compat import write_analysis as _write_analysis
 
 ROOT = pathlib.Path(__file__).parents[1]
 

@@ -38,7 +38,8 @@ class HopperDriver:
 driver.set_active(HopperDriver())
 
 import mhc.kernels  # noqa: E402
-from mhc import _library, _write_analysis  # noqa: E402
+from mhc import _library  # noqa: E402
+from mhc._compat import write_analysis as _write_analysis  # noqa: E402
 from tests.site_stack import SiteStack  # noqa: E402
 
 mhc.kernels.check_device = lambda x: None  # CPU tensors stand in for CUDA ones: nothing launches

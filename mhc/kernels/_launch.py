@@ -37,10 +37,11 @@ import os
 
 import torch
 import triton
-from triton import knobs
+
+from mhc.kernels import _compat
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0"
+FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0" and _compat.FAST_LAUNCH_SUPPORTED
 
 _Tensor = torch.Tensor
 
@@ -83,6 +84,7 @@ class _Cached:
 
 
 _CACHE: dict = {}
+_MISSING = object()
 
 
 def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: dict, meta_key) -> None:
@@ -104,51 +106,34 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
     device = inputs[0].get_device()
     specialization, addresses = _specialization(inputs, scalars)
     key = (id(kernel), meta_key, device, specialization)
-    cached = _CACHE.get(key)
-    if cached is None:
+    cached = _CACHE.get(key, _MISSING)
+    if cached is _MISSING:
         compiled = kernel[grid](*args, **meta)
         names = kernel.arg_names[len(args) :]
-        _CACHE[key] = _Cached(compiled, tuple(meta[name] for name in names))
+        direct = _compat.launches_directly(compiled)  # else this Triton's kernels launch as kernel[grid]
+        _CACHE[key] = _Cached(compiled, tuple(meta[name] for name in names)) if direct else None
+        return
+    if cached is None:
+        kernel[grid](*args, **meta)
         return
     compiled = cached.kernel
-    stream = torch._C._cuda_getCurrentRawStream(device)
+    stream = _compat.raw_stream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, leave = _compat.launch_hooks()
     if _no_hook(enter) and _no_hook(leave):
         # the launcher calls no hook given None, and no hook needs the launch's metadata. It gets
         # addresses, not tensors: an int it takes as it is, while of a tensor it calls data_ptr()
         # and asks the driver about the address (cuPointerGetAttribute), argument by argument
         for out in outputs:
             addresses.append(out.data_ptr())
-        compiled.run(
-            grid[0],
-            grid_1,
-            grid_2,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *addresses,
-            *scalars,
-            *cached.constexprs,
+        _compat.run(
+            compiled, grid[0], grid_1, grid_2, stream, None, None, None, *addresses, *scalars, *cached.constexprs
         )
         return
     full = (*args, *cached.constexprs)  # a hook may read the tensors (a profiler: their sizes)
-    compiled.run(
-        grid[0],
-        grid_1,
-        grid_2,
-        stream,
-        compiled.function,
-        compiled.packed_metadata,
-        compiled.launch_metadata(grid, stream, *full),
-        enter,
-        leave,
-        *full,
-    )
+    metadata = _compat.hook_metadata(compiled, grid, stream, full)
+    _compat.run(compiled, grid[0], grid_1, grid_2, stream, metadata, enter, leave, *full)
 
 
 # launch options that torch.library.wrap_triton takes as keywords; others (maxnreg) go into a

@@ -1,4 +1,11 @@
-"""Differences between PyTorch versions that ``mhc`` works around, in one place.
+"""Every private PyTorch API the layers use, in one place, with the version checks and fallbacks
+(the kernel layer's private Triton and CUDA-stream APIs are :mod:`mhc.kernels._compat`).
+
+- :func:`dispatch_mode_active`, :func:`top_saved_tensor_hooks`, :func:`in_backward`: state of the
+  dispatcher and of autograd that PyTorch exposes only through ``torch._C``.
+- :func:`backport_checkpoint_tags`: the checkpoint tagging fix of PyTorch 2.12, below.
+- :mod:`mhc._compat.write_analysis`: one write analysis per kernel specialization while
+  ``torch.compile`` traces mhc's kernels (wraps ``torch._higher_order_ops.triton_kernel_wrap``).
 
 Activation checkpointing under ``torch.compile`` (PyTorch < 2.12): Dynamo turns a checkpointed
 region into a ``tag_activation_checkpoint`` graph whose nodes it tags "recompute"; the
@@ -26,7 +33,8 @@ import os
 
 import torch
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "marked_must_save"]
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "marked_must_save", "top_saved_tensor_hooks",
+           "in_backward"]  # fmt: skip
 
 
 _TAGS = ("ac_graph_id", "recompute")
@@ -36,7 +44,21 @@ def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` is active (selective activation checkpointing, a FLOP
     counter): the fused layers then call their kernels through the registered ops, which such a
     mode sees, instead of launching them directly."""
-    return torch._C._len_torch_dispatch_stack() > 0
+    stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return stack is not None and stack() > 0
+
+
+def top_saved_tensor_hooks():
+    """The innermost open ``torch.autograd.graph.saved_tensors_hooks`` pair ``(pack, unpack)``, or
+    ``None`` (also where PyTorch does not expose it)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+def in_backward() -> bool:
+    """Whether this runs inside an autograd backward (a graph task is executing)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 _installed = False
