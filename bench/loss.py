@@ -178,9 +178,9 @@ def sweep(n=8192, d=4096, v=128256):
         (256, 128, 64, 8, 3),
         (128, 128, 64, 8, 4),
     ]
-    default = dict(lce.TILES_16BIT)
+    tuned = lce._tiles
     for tiles in logits_tiles:
-        lce.TILES_16BIT["lse"] = lce.TILES_16BIT["grad_logits"] = tiles
+        lce._tiles = lambda x, tiles=tiles: {**tuned(x), "lse": tiles, "grad_logits": tiles}
         try:
             print(
                 f"logits tiles {tiles}: lse forward {forward():.2f} ms, G for all V {backward(False, False):.2f} ms",
@@ -188,7 +188,7 @@ def sweep(n=8192, d=4096, v=128256):
             )
         except Exception as e:
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
-    lce.TILES_16BIT.update(default)
+    lce._tiles = tuned
     base = backward(False, False)
     dx_ms = backward(True, False) - base
     dw_ms = backward(False, True) - base

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._arch import arch
 from mhc.kernels._host import read_later
 from mhc.kernels._launch import sm_count
 
@@ -365,7 +366,7 @@ def _sources(x, weight, block_n, block_v, block_d):
     """Tensor descriptors for x and W where the copy engine can fetch their tiles (Hopper or
     newer, or the interpreter; 16-byte aligned rows), else the tensors themselves; and which."""
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
-    hopper = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+    hopper = not x.is_cuda or (torch.cuda.get_device_capability(x.device)[0] >= 9 and arch().tensor_descriptors)
     if TensorDescriptor is None or not (aligned and hopper and USE_TMA):
         return x, weight, False
     return (
@@ -389,17 +390,12 @@ def _tiles(x: torch.Tensor) -> dict:
     if x.dtype == torch.float32:
         fp32 = (64, 64, 32, 4, 3)
         return dict(lse=fp32, grad_logits=fp32, grad_logits_softcap=fp32, grad_input=fp32)
-    return dict(TILES_16BIT)
+    return dict(zip(TILES_16BIT, arch().loss_tiles_16bit))
 
 
 # (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages). The soft-cap's
 # epilogue spills registers with grad_logits' tile, so it has its own.
-TILES_16BIT = dict(
-    lse=(128, 256, 64, 8, 3),
-    grad_logits=(256, 128, 64, 8, 4),
-    grad_logits_softcap=(128, 256, 64, 8, 3),
-    grad_input=(128, 256, 64, 8, 3),
-)
+TILES_16BIT = ("lse", "grad_logits", "grad_logits_softcap", "grad_input")  # per arch: mhc.kernels._arch
 GROUP = 8
 USE_TMA = True  # tensor-memory-accelerator loads where Triton has them (faster on Hopper); False: pointers
 

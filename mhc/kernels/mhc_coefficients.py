@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
 from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
@@ -647,11 +648,12 @@ def coefficients_fwd_config(n: int) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages)`` of the forward projection in one pass (where
     ``coefficients_split_config`` is ``None``; its n = 5..8 tiles serve the sweeps of
     ``bench/tune_mixing.py``, which compare the split against them)."""
+    stages = arch().max_stages
     if 4 < n <= 8:  # larger token tiles at n = 5..8 (the sweep of dev/LOG.md, "Launch choices")
-        return 64, 64, 4, 4
+        return 64, 64, 4, min(4, stages)
     cols = _columns(n)
     block_k = max(16, min(128, next_pow2(8192 // (cols["NPP"] + cols["NRES"])) // 2))
-    return (SMALL_TILE if n <= 4 else 16), block_k, 4, 3
+    return (SMALL_TILE if n <= 4 else 16), block_k, 4, min(3, stages)
 
 
 def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[int, int, int, int, int] | None:
@@ -668,10 +670,11 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     any count) takes the rule for many tokens: no guard on the count. Measurements: dev/LOG.md,
     "Launch choices".
     """
+    stages = min(3, arch().max_stages)
     if few_tokens(n, d, tokens, sms):
-        return SMALL_TILE, 64, 4, 3, 4
+        return SMALL_TILE, 64, 4, stages, 4
     if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
-        return 128, 64, 8, 3, 4
+        return 128, 64, 8, stages, 4
     return None
 
 
@@ -705,14 +708,16 @@ def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, in
     """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
     token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
     registers per thread (``None``: the compiler's choice)."""
+    limits = arch()
+    stages = min(3, limits.max_stages)
     if n <= 4:
         # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
         # of them (faster than uncapped registers or 8 programs per SM at every d swept)
-        return 64, 64, 4, 3, 6, 168
+        return 64, 64, 4, stages, 6, 168 if limits.register_caps else None
     if n <= 8:
         # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
         # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
-        return 64, 64, 4, 3 if dtype.itemsize <= 2 else 2, 6, None
+        return 64, 64, 4, stages if dtype.itemsize <= 2 else 2, 6, None
     return 16, 32, 4, 2, 4, None
 
 
@@ -728,7 +733,8 @@ def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int
     registers, no spills (the fastest of the n = 8 sweep). fp16 and fp32 streams take tf32x3
     products on fp32 tiles, and fp32 ``(128, 128)`` tiles need more shared memory than a Hopper SM
     has: ``(64, 64)``."""
-    return (128, 128, 8, 3, 4, None) if dtype == torch.bfloat16 else (64, 64, 4, 2, 4, None)
+    wide = dtype == torch.bfloat16 and arch().max_stages >= 3  # 128 x 128 tiles in three stages
+    return (128, 128, 8, 3, 4, None) if wide else (64, 64, 4, 2, 4, None)
 
 
 @launch_plan

@@ -1,0 +1,60 @@
+"""The launch limits per GPU architecture (``mhc.kernels._arch``): the ``default`` row holds every
+launcher inside what any CUDA GPU Triton supports, ``MHC_ARCH`` picks a row, a bad value is an error.
+The kernels under the ``default`` row run on the GPU with ``MHC_ARCH=default`` (dev/LOG.md)."""
+
+import pytest
+import torch
+
+from mhc.kernels import _arch, linear_cross_entropy, mhc_coefficients
+
+
+@pytest.fixture
+def row(monkeypatch):
+    """Force a row by name for the duration of a test."""
+
+    def force(name):
+        monkeypatch.setenv("MHC_ARCH", name)
+        _arch.arch.cache_clear()
+        return _arch.arch()
+
+    yield force
+    _arch.arch.cache_clear()
+
+
+def _coefficient_configs(n, d, dtype):
+    configs = [mhc_coefficients.coefficients_fwd_config(n), mhc_coefficients.projection_bwd_config(n, d, dtype)]
+    configs.append(mhc_coefficients.dphi_bwd_config(n, d, dtype))
+    for tokens in (1, 10**6):
+        split = mhc_coefficients.coefficients_split_config(n, d, tokens, 132)
+        configs += [split] if split is not None else []
+    return configs
+
+
+@pytest.mark.parametrize("n", [1, 4, 6, 8, 12, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_default_row_stays_within_every_gpu(row, n, dtype):
+    limits = row("default")
+    for config in _coefficient_configs(n, 4096, dtype):
+        assert config[3] <= limits.max_stages, config
+    assert mhc_coefficients.projection_bwd_config(n, 4096, dtype)[5] is None  # no register cap
+    for block_n, block_v, block_d, warps, stages in limits.loss_tiles_16bit:
+        assert stages <= limits.max_stages
+        assert (block_n + block_v) * block_d * 2 * stages <= 100 * 1024  # 16-bit tiles in shared memory
+
+
+def test_hopper_row_keeps_the_tuned_caps(row):
+    limits = row("hopper")
+    assert mhc_coefficients.projection_bwd_config(4, 4096)[5] is not None
+    assert max(c[3] for c in _coefficient_configs(8, 4096, torch.bfloat16)) > row("default").max_stages
+    assert limits.tensor_descriptors and not _arch.ARCHS["default"].tensor_descriptors
+
+
+def test_interpreter_takes_small_loss_tiles_whatever_the_row(row):
+    for name in _arch.ARCHS:
+        row(name)
+        assert linear_cross_entropy._tiles(torch.empty(2, 8, dtype=torch.bfloat16))["lse"] == (32, 32, 32, 1, 1)
+
+
+def test_a_bad_row_name_is_an_error(row):
+    with pytest.raises(ValueError, match="MHC_ARCH must be one of"):
+        row("ampere")
