@@ -15,6 +15,7 @@ gradient is written once per site.
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -22,12 +23,23 @@ import torch
 
 from mhc._autograd import refuse_double_backward
 from mhc._checks import MAX_STREAMS, check_settings
-from mhc._compat import dispatch_mode_active
+from mhc._compat import dispatch_mode_active, materialized
 from mhc._library import kernel_op
 from mhc.layer import _kernels, sinkhorn_bwd_launch
 from mhc.rebuild import steps_of
 
 __all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
+
+
+def _waited_gradients(backward):
+    """A Function's backward on plain gradients: a tensor-parallel branch's input gradient can
+    arrive as an unwaited collective's result, whose pointer the kernels cannot read."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        return backward(ctx, *(None if g is None else materialized(g) for g in grads))
+
+    return run
 
 
 # ------------------------------------------------------------------------------ ops
@@ -267,6 +279,7 @@ class PreMixFunction(torch.autograd.Function):
         return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x, *extra
 
     @staticmethod
+    @_waited_gradients
     def backward(ctx, grad_x_in, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused pre-mix (HyperConnection, StreamCollapse)")
         if grad_x_in is None:
@@ -294,6 +307,7 @@ class PostMixFunction(torch.autograd.Function):
         return (out, *extra) if extra else out
 
     @staticmethod
+    @_waited_gradients
     def backward(ctx, grad_out, grad_link=None):
         refuse_double_backward("the fused post-mix (HyperConnection, LaneMixer)")
         if grad_out is None:
@@ -378,6 +392,7 @@ class MHCPreMixFunction(torch.autograd.Function):
         return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x, *extra
 
     @staticmethod
+    @_waited_gradients
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused mHC coefficients (HyperConnection)")
         anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
@@ -468,6 +483,7 @@ class MHCSeamFunction(torch.autograd.Function):
         return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x_next, *extra
 
     @staticmethod
+    @_waited_gradients
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused seam of chained sites (finish(y, next=))")
         anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)

@@ -25,6 +25,7 @@ import torch
 from einops import einsum
 
 from mhc._checks import MAX_STREAMS, check_same_device, check_streams_shape
+from mhc._compat import materialized
 from mhc.layer import _kernels
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
@@ -191,6 +192,7 @@ class FusedFinish:
     def __call__(self, y, next: Site | None = None):
         site, x = self.site, self.x_pass
         y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
+        y = materialized(y)  # the kernels read its pointer
         schedule = site._recompute
         if next is None:
             return _returned(rest, self._post_mix(y, schedule))

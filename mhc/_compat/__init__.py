@@ -34,7 +34,7 @@ import os
 import torch
 
 __all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "marked_must_save", "top_saved_tensor_hooks",
-           "in_backward"]  # fmt: skip
+           "in_backward", "materialized"]  # fmt: skip
 
 
 _TAGS = ("ac_graph_id", "recompute")
@@ -46,6 +46,20 @@ def dispatch_mode_active() -> bool:
     mode sees, instead of launching them directly."""
     stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return stack is not None and stack() > 0
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a plain copy of it where ``t`` is the result of an asynchronous functional
+    collective (``AsyncCollectiveTensor``: a wrapper whose data the kernels, which read raw
+    pointers, cannot take before it is waited for; a tensor-parallel branch's reduce-scatter
+    returns one). The copy is an op on the wrapper, so autograd follows it."""
+    if type(t) is torch.Tensor:
+        return t
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:
+        return t
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def top_saved_tensor_hooks():

@@ -1,0 +1,120 @@
+"""Sequence parallelism for hyper-connection sites.
+
+Under sequence parallelism (Megatron's SP, torchtitan's ``SequenceParallel``) the activations
+between the tensor-parallel branches are split over the sequence across the ranks of the
+tensor-parallel group: each rank holds ``[batch, seq / tp, ...]``. Everything an ``mhc`` site
+computes is per token, so a site runs on its rank's shard of the streams as it is, with the same
+values as on the whole sequence. Its parameters are replicated over the group and see only their
+rank's tokens: their gradients must be summed over the group, which :func:`parallelize_sites`
+arranges. The branches inside the sites are parallelized by the model's own tensor-parallel plan
+(which gathers the sequence where a branch needs all of it, as attention does).
+
+Streams may arrive as local shards or as ``DTensor``\\ s sharded on the sequence dimension of a
+one-dimensional mesh: a site called as a module then runs on the local shard and returns a
+``DTensor`` of the same placement. ``split`` and ``finish`` (chained sites) take local shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mhc.mixing import LaneMixer, StreamCollapse, StreamExpand
+from mhc.sites import Site
+
+__all__ = ["parallelize_sites", "reduce_gradients"]
+
+PER_TOKEN = (Site, LaneMixer, StreamCollapse, StreamExpand)
+
+
+def reduce_gradients(params, group=None) -> int:
+    """Sum every gradient that reaches ``params`` over ``group`` (the default process group if
+    ``None``) before it accumulates in ``.grad``: for parameters replicated over ranks that each
+    see part of the tokens. Each backward contribution is reduced once, so gradient accumulation
+    over micro-batches stays right. Returns how many parameters got the hook."""
+    count = 0
+    for p in params:
+        if p.requires_grad:
+            p.register_hook(_summed_over(group))
+            count += 1
+    return count
+
+
+def _summed_over(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+def parallelize_sites(model: nn.Module, group=None, *, sequence_dim: int = 1) -> nn.Module:
+    """Make every per-token ``mhc`` module of ``model`` (``HyperConnection`` and other sites,
+    ``LaneMixer``, ``StreamCollapse``, ``StreamExpand``) run on sequence-sharded activations:
+    their own parameters' gradients are summed over ``group`` (a process group or a 1-D
+    ``DeviceMesh``; default: the default process group), and a ``DTensor`` input sharded on
+    ``sequence_dim`` runs as its local shard. Returns ``model``, changed in place.
+
+    The branches' parameters are not touched: the model's tensor-parallel plan owns them.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``sequence_dim`` is not an int.
+        ValueError: ``model`` holds no such module, or they were parallelized already.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+        raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
+    group = group.get_group() if hasattr(group, "get_group") else group
+    modules = [m for m in model.modules() if isinstance(m, PER_TOKEN)]
+    if not modules:
+        raise ValueError("model holds no hyper-connection site or stream module to parallelize")
+    if any(getattr(m, "_mhc_sequence_parallel", False) for m in modules):
+        raise ValueError("these sites are sequence-parallel already: parallelize_sites runs once per model")
+    for module in modules:
+        reduce_gradients(module.parameters(recurse=False), group)
+        module.register_forward_pre_hook(_to_local_shard(sequence_dim), with_kwargs=True)
+        module.register_forward_hook(_to_dtensor_like_input, with_kwargs=True)
+        module._mhc_sequence_parallel = True
+    return model
+
+
+def _to_local_shard(sequence_dim: int):
+    def hook(module, args, kwargs):
+        module._mhc_dtensor_input = None
+        if not args or not _is_dtensor(args[0]):
+            return None
+        x = args[0]
+        from torch.distributed.tensor import Shard
+
+        dim = sequence_dim % x.dim()
+        if x.device_mesh.ndim != 1 or x.placements != (Shard(dim),):
+            raise ValueError(
+                f"a sequence-parallel site takes a DTensor sharded on dim {dim} of a 1-D mesh, got placements "
+                f"{x.placements} on a {x.device_mesh.ndim}-D mesh"
+            )
+        module._mhc_dtensor_input = (x.device_mesh, x.placements)
+        return (x.to_local(), *args[1:]), kwargs
+
+    return hook
+
+
+def _to_dtensor_like_input(module, args, kwargs, output):
+    layout = getattr(module, "_mhc_dtensor_input", None)
+    if layout is None:
+        return None
+    module._mhc_dtensor_input = None
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements = layout
+    if isinstance(output, tuple):
+        return (DTensor.from_local(output[0], mesh, placements), *output[1:])
+    return DTensor.from_local(output, mesh, placements)
+
+
+def _is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)

@@ -1,0 +1,145 @@
+"""Hyper-connection sites on sequence-sharded streams, for tests/test_sequence_parallel.py.
+
+Run under ``torchrun`` (2 gloo processes on CPU):
+
+    torchrun --nproc_per_node=2 tests/sequence_parallel_worker.py OUT_DIR
+
+Every rank builds the same model and the same full batch, keeps its half of the sequence, and runs
+each scenario of :func:`run`; rank 0 writes the gathered outputs, input gradients and parameter
+gradients to ``OUT_DIR/<scenario>.pt``. The test compares them with one process on the whole
+sequence (``run`` with ``shard=None``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mhc.distributed import parallelize_sites, reduce_gradients
+from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
+from mhc.recompute import recompute_streams
+
+DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6
+SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches)
+    "torch": ("torch", False, False, False, False),
+    "torch_chained_recompute": ("torch", True, True, False, False),
+    "triton": ("triton", False, False, False, False),
+    "triton_chained": ("triton", True, False, False, False),
+    "torch_dtensor": ("torch", False, False, True, False),
+    "torch_tp": ("torch", False, False, False, True),
+    "triton_chained_tp": ("triton", True, False, False, True),
+}
+
+
+class Model(nn.Module):
+    """Three mHC / HC sites around per-token MLPs, a LaneMixer, and V4's learned collapse."""
+
+    def __init__(self, backend: str):
+        super().__init__()
+        torch.manual_seed(0)
+        mlps = [nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM)) for _ in range(3)]
+        kinds = ("sinkhorn", "none", "sinkhorn")
+        self.sites = nn.ModuleList(
+            HyperConnection(DIM, STREAMS, branch=m, constraint=c, backend=backend) for m, c in zip(mlps, kinds)
+        )
+        self.lanes = LaneMixer(STREAMS, DIM, dynamic=True, backend=backend)
+        self.collapse = StreamCollapse(DIM, STREAMS)
+        with torch.no_grad():  # away from the initial values, so that every gradient is non-trivial
+            for p in self.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+
+    def forward(self, x, chained: bool):
+        if chained:
+            x_in, finish = self.sites[0].split(x)
+            for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
+                y = site.branch(x_in)
+                if nxt is None:
+                    x = finish(y)
+                else:
+                    x_in, finish = finish(y, next=nxt)
+        else:
+            for site in self.sites:
+                x = site(x)
+        return self.collapse(self.lanes(x))
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SEQ, STREAMS, DIM, generator=g)
+    weight = torch.randn(BATCH, SEQ, DIM, generator=g)  # the upstream gradient: not all ones
+    return x, weight
+
+
+def run(name: str, shard: tuple[int, int] | None) -> dict:
+    """One scenario on the whole sequence (``shard=None``) or on shard ``(rank, world)``."""
+    backend, chained, recompute, dtensor, tp = SCENARIOS[name]
+    model = Model(backend)
+    if recompute:
+        recompute_streams(model, every=2)
+    x, weight = batch()
+    if shard is not None:
+        rank, world = shard
+        piece = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+        x, weight = x[:, piece].contiguous(), weight[:, piece]
+        parallelize_sites(model)
+        if tp:
+            tensor_parallel_branches(model, world)
+        else:  # replicated per-token branches: their gradients are summed like the sites'
+            reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
+    x.requires_grad_()
+    if dtensor and shard is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        streams = DTensor.from_local(x, mesh, [Shard(1)])
+        for site in model.sites:
+            streams = site(streams)
+        out = model.collapse(model.lanes(streams.to_local()))
+    else:
+        out = model(x, chained)
+    (out * weight).sum().backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads)
+
+
+def tensor_parallel_branches(model, world: int) -> None:
+    """Megatron's TP + SP MLP: the first linear column-wise from sequence-sharded input (the plan
+    all-gathers the sequence), the second row-wise back to sequence shards (reduce-scatter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
+    for site in model.sites:
+        parallelize_module(site.branch, mesh, plan)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+
+
+def gather(t: torch.Tensor, world: int) -> torch.Tensor:
+    pieces = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(pieces, t.contiguous())
+    return torch.cat(pieces, dim=1)
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in SCENARIOS:
+        got = run(name, (rank, world))
+        result = dict(out=gather(got["out"], world), x_grad=gather(got["x_grad"], world), grads=got["grads"])
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{name}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

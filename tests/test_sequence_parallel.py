@@ -1,0 +1,46 @@
+"""Sequence-parallel sites (``mhc.distributed``) on 2 gloo ranks against one process on the whole
+sequence: outputs, input gradients and every parameter gradient, on both paths (the kernels in
+Triton's interpreter), chained sites, recompute and DTensor streams."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mhc.distributed import parallelize_sites
+from tests import sequence_parallel_worker as worker
+from tests.torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    torchrun([ROOT / "tests/sequence_parallel_worker.py", out], env=env, cwd=ROOT, timeout=600)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in the interpreter on CPU")
+@pytest.mark.parametrize("scenario", list(worker.SCENARIOS))
+def test_two_sequence_shards_equal_one_process(results, scenario):
+    got = torch.load(results / f"{scenario}.pt")
+    want = worker.run(scenario, shard=None)
+    torch.testing.assert_close(got["out"], want["out"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["x_grad"], want["x_grad"], rtol=1e-6, atol=1e-6)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        assert grad.abs().max() > 0, name  # every parameter gets a gradient
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        parallelize_sites("model")
+    with pytest.raises(ValueError, match="no hyper-connection site"):
+        parallelize_sites(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="sequence_dim must be an int"):
+        parallelize_sites(worker.Model("torch"), sequence_dim=1.0)
