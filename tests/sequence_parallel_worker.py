@@ -2,7 +2,9 @@
 
 Run under ``torchrun`` (2 gloo processes on CPU):
 
-    torchrun --nproc_per_node=2 tests/sequence_parallel_worker.py OUT_DIR
+    torchrun --nproc_per_node=2 tests/sequence_parallel_worker.py OUT_DIR [cpu|cuda]
+
+(``cuda``: one GPU per rank over NCCL, the fused kernels compiled.)
 
 Every rank builds the same model and the same full batch, keeps its half of the sequence, and runs
 each scenario of :func:`run`; rank 0 writes the gathered outputs, input gradients and parameter
@@ -74,20 +76,20 @@ def batch():
     return x, weight
 
 
-def run(name: str, shard: tuple[int, int] | None) -> dict:
+def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
     """One scenario on the whole sequence (``shard=None``) or on shard ``(rank, world)``."""
     backend, chained, recompute, dtensor, tp = SCENARIOS[name]
-    model = Model(backend)
+    model = Model(backend).to(device)
     if recompute:
         recompute_streams(model, every=2)
-    x, weight = batch()
+    x, weight = (t.to(device) for t in batch())
     if shard is not None:
         rank, world = shard
         piece = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
         x, weight = x[:, piece].contiguous(), weight[:, piece]
         parallelize_sites(model)
         if tp:
-            tensor_parallel_branches(model, world)
+            tensor_parallel_branches(model, world, device)
         else:  # replicated per-token branches: their gradients are summed like the sites'
             reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
     x.requires_grad_()
@@ -95,7 +97,7 @@ def run(name: str, shard: tuple[int, int] | None) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         streams = DTensor.from_local(x, mesh, [Shard(1)])
         for site in model.sites:
             streams = site(streams)
@@ -103,18 +105,18 @@ def run(name: str, shard: tuple[int, int] | None) -> dict:
     else:
         out = model(x, chained)
     (out * weight).sum().backward()
-    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad).cpu() for n, p in model.named_parameters()}
     return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads)
 
 
-def tensor_parallel_branches(model, world: int) -> None:
+def tensor_parallel_branches(model, world: int, device: str) -> None:
     """Megatron's TP + SP MLP: the first linear column-wise from sequence-sharded input (the plan
     all-gathers the sequence), the second row-wise back to sequence shards (reduce-scatter)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     plan = {"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
     for site in model.sites:
         parallelize_module(site.branch, mesh, plan)
@@ -130,16 +132,19 @@ def gather(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(pieces, dim=1)
 
 
-def main(out_dir: str) -> None:
-    dist.init_process_group("gloo")
+def main(out_dir: str, device: str) -> None:
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     for name in SCENARIOS:
-        got = run(name, (rank, world))
-        result = dict(out=gather(got["out"], world), x_grad=gather(got["x_grad"], world), grads=got["grads"])
+        got = run(name, (rank, world), device)
+        outputs = (gather(got[k], world).cpu() for k in ("out", "x_grad"))
+        result = dict(zip(("out", "x_grad"), outputs), grads=got["grads"])
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{name}.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")

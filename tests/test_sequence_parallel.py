@@ -24,17 +24,36 @@ def results(tmp_path_factory):
     return out
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in the interpreter on CPU")
-@pytest.mark.parametrize("scenario", list(worker.SCENARIOS))
-def test_two_sequence_shards_equal_one_process(results, scenario):
-    got = torch.load(results / f"{scenario}.pt")
-    want = worker.run(scenario, shard=None)
-    torch.testing.assert_close(got["out"], want["out"], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got["x_grad"], want["x_grad"], rtol=1e-6, atol=1e-6)
+@pytest.fixture(scope="module")
+def gpu_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_parallel_gpu")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    torchrun([ROOT / "tests/sequence_parallel_worker.py", out, "cuda"], env=env, cwd=ROOT, timeout=600)
+    return out
+
+
+def assert_same(got, want):
+    torch.testing.assert_close(got["out"], want["out"].cpu(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["x_grad"], want["x_grad"].cpu(), rtol=1e-6, atol=1e-6)
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in want["grads"].items():
         assert grad.abs().max() > 0, name  # every parameter gets a gradient
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in the interpreter on CPU")
+@pytest.mark.parametrize("scenario", list(worker.SCENARIOS))
+def test_two_sequence_shards_equal_one_process(results, scenario):
+    assert_same(torch.load(results / f"{scenario}.pt"), worker.run(scenario, shard=None))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("scenario", list(worker.SCENARIOS))
+def test_two_gpus_equal_one_gpu(gpu_results, scenario):
+    """The same over NCCL, one GPU per rank, the fused kernels compiled."""
+    assert_same(torch.load(gpu_results / f"{scenario}.pt"), worker.run(scenario, shard=None, device="cuda"))
 
 
 def test_bad_arguments():
