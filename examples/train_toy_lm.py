@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mhc.losses import LinearCrossEntropy
-from mhc.mixing import MAX_STREAMS, HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
+from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
+from mhc.sites import layer_backend
 
 ARMS = ("baseline", "hc", "mhc")
 PRESETS = {
@@ -434,12 +435,14 @@ class GraphedStep:
         return self.out
 
 
-def site_path(arm: str, args, device) -> str:
-    """What runs the arm's hyper-connections: the fused Triton kernels or the PyTorch reference."""
-    if arm == "baseline":
+def site_path(model: nn.Module, device) -> str:
+    """What runs the model's hyper-connections: the fused Triton kernels or the PyTorch reference,
+    as the sites themselves decide (``mhc.sites.layer_backend``)."""
+    site = next((m for m in model.modules() if isinstance(m, HyperConnection)), None)
+    if site is None:
         return "plain residual"
-    fused = device.type == "cuda" and args.streams <= MAX_STREAMS  # what backend="auto" picks
-    return "fused kernels" if fused else "PyTorch reference"
+    probe = torch.empty(0, site.n_streams, site.dim, device=device)
+    return "fused kernels" if layer_backend(probe, site.n_streams, site.backend) == "triton" else "PyTorch reference"
 
 
 def train(arm: str, args, source, device, rank: int, world: int) -> Path:
@@ -476,7 +479,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     optimum = source.optimum(args.seq_len)
     progress = _progress(args, rank, start, name)
     tokens_per_step = args.batch_size * args.seq_len
-    path = site_path(arm, args, device)
+    path = site_path(model, device)
     tick, last_logged = time.perf_counter(), start
     graphed = (
         GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
