@@ -64,7 +64,7 @@ def biases(bias: torch.Tensor, n: int):
 
 
 class DynamicMHC:
-    """Per-token mHC coefficients from ``site.mixing_parameters()``:
+    """Per-token mHC coefficients from ``site.compute_parameters()``:
     ``(phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])``."""
 
     fused_coefficients = True  # one kernel computes them with the pre-mix; the seam needs this
@@ -73,7 +73,7 @@ class DynamicMHC:
         """``(a_pre * pre, a_post * post, a_res * res)``: the gated projections before the biases,
         ``[..., n]``, ``[..., n]``, ``[..., n, n]``."""
         n = site.n_streams
-        phi, alpha, _ = site.mixing_parameters()
+        phi, alpha, _ = site.compute_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
@@ -82,7 +82,7 @@ class DynamicMHC:
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
     def reference(self, site, x: torch.Tensor):
-        bias = site.mixing_parameters()[2]
+        bias = site.compute_parameters()[2]
         dtype = coefficient_dtype(x, bias)
         b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
         pre, post, res = self.logits(site, x)
@@ -106,9 +106,9 @@ class DynamicMHC:
         return function_outputs(plan, outputs)
 
     def fused_parameters(self, site):
-        """``site.mixing_parameters()`` as they are: the kernels read any float dtype into fp32, so
+        """``site.compute_parameters()`` as they are: the kernels read any float dtype into fp32, so
         parameters that FSDP2's mixed precision hands over in bf16 need no cast op per call."""
-        return site.mixing_parameters()
+        return site.compute_parameters()
 
 
 class DynamicHC:
@@ -118,7 +118,7 @@ class DynamicHC:
     fused_coefficients = False
 
     def logits(self, site, x: torch.Tensor):
-        phi, alpha, _ = site.mixing_parameters()
+        phi, alpha, _ = site.compute_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = as_coefficient_dtype(x, dtype)
@@ -126,7 +126,7 @@ class DynamicHC:
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):
-        bias = site.mixing_parameters()[2]
+        bias = site.compute_parameters()[2]
         dtype = coefficient_dtype(x, bias)
         b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
         pre, post, res = self.logits(site, x)
@@ -152,7 +152,7 @@ class Static:
 
     def coefficients(self, site):
         """``(h_pre [n], h_post [n], h_res [n, n])``, fp32 (fp64 for fp64 parameters)."""
-        bias = site.mixing_parameters()[2]
+        bias = site.compute_parameters()[2]
         b_pre, b_post, b_res = biases(bias.to(coefficient_dtype(bias)), site.n_streams)
         if not self.constrained:
             return b_pre, b_post, b_res

@@ -4,10 +4,13 @@ Under sequence parallelism (Megatron's SP, torchtitan's ``SequenceParallel``) th
 between the tensor-parallel branches are split over the sequence across the ranks of the
 tensor-parallel group: each rank holds ``[batch, seq / tp, ...]``. Everything an ``mhc`` site
 computes is per token, so a site runs on its rank's shard of the streams as it is, with the same
-values as on the whole sequence. Its parameters are replicated over the group and see only their
-rank's tokens: their gradients must be summed over the group, which :func:`parallelize_sites`
-arranges. The branches inside the sites are parallelized by the model's own tensor-parallel plan
-(which gathers the sequence where a branch needs all of it, as attention does).
+values as on the whole sequence. :func:`parallelize_sites` makes the sites' own parameters
+``DTensor``\\ s replicated over the group's mesh (``Replicate()``, as torchtitan's
+``SequenceParallel`` does for norms); each rank's gradient covers its own tokens and arrives as a
+partial sum (``Partial()``), which the ``DTensor`` reduces where it is used: FSDP2 on a 2-D
+``(dp, tp)`` mesh, the optimizer, ``full_tensor()``. The branches inside the sites are
+parallelized by the model's own tensor-parallel plan (which gathers the sequence where a branch
+needs all of it, as attention does).
 
 Streams may arrive as local shards or as ``DTensor``\\ s sharded on the sequence dimension of a
 one-dimensional mesh: a site called as a module then runs on the local shard and returns a
@@ -50,35 +53,63 @@ def _summed_over(group):
     return hook
 
 
-def parallelize_sites(model: nn.Module, group=None, *, sequence_dim: int = 1) -> nn.Module:
+def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> nn.Module:
     """Make every per-token ``mhc`` module of ``model`` (``HyperConnection`` and other sites,
-    ``LaneMixer``, ``StreamCollapse``, ``StreamExpand``) run on sequence-sharded activations:
-    their own parameters' gradients are summed over ``group`` (a process group or a 1-D
-    ``DeviceMesh``; default: the default process group), and a ``DTensor`` input sharded on
-    ``sequence_dim`` runs as its local shard. Returns ``model``, changed in place.
+    ``LaneMixer``, ``StreamCollapse``, ``StreamExpand``) run on sequence-sharded activations.
 
-    The branches' parameters are not touched: the model's tensor-parallel plan owns them.
+    Their own parameters become ``DTensor``\\ s replicated over ``mesh`` (a 1-D ``DeviceMesh``,
+    for example ``mesh["tp"]`` of a 2-D ``(dp, tp)`` mesh, or a process group; default: the
+    default process group), with rank 0's values. Their gradients are partial sums over the
+    ranks' tokens (``Partial()``), reduced where they are used. A ``DTensor`` input sharded on
+    ``sequence_dim`` runs as its local shard. Call it after the parameters are initialised and
+    before ``fully_shard``, as torchtitan orders tensor parallel and FSDP2. Returns ``model``,
+    changed in place.
+
+    The branches' parameters are not touched: the model's tensor-parallel plan owns them. A
+    model whose activations are replicated over the group (tensor parallel without sequence
+    parallel) needs no call: each rank computes its sites whole.
 
     Raises:
         TypeError: ``model`` is not a module, or ``sequence_dim`` is not an int.
-        ValueError: ``model`` holds no such module, or they were parallelized already.
+        ValueError: ``model`` holds no such module, they were parallelized already, or ``mesh``
+            has more than one dimension.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
         raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
-    group = group.get_group() if hasattr(group, "get_group") else group
     modules = [m for m in model.modules() if isinstance(m, PER_TOKEN)]
     if not modules:
         raise ValueError("model holds no hyper-connection site or stream module to parallelize")
-    if any(getattr(m, "_mhc_sequence_parallel", False) for m in modules):
+    if any(m._mhc_sequence_parallel for m in modules):
         raise ValueError("these sites are sequence-parallel already: parallelize_sites runs once per model")
+    mesh = _one_dim_mesh(mesh, next(modules[0].parameters()).device.type)
     for module in modules:
-        reduce_gradients(module.parameters(recurse=False), group)
+        _replicate_parameters(module, mesh)
         module.register_forward_pre_hook(_to_local_shard(sequence_dim), with_kwargs=True)
         module.register_forward_hook(_to_dtensor_like_input, with_kwargs=True)
         module._mhc_sequence_parallel = True
     return model
+
+
+def _one_dim_mesh(mesh, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        mesh = DeviceMesh.from_group(mesh or dist.group.WORLD, device_type)
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_sites takes a 1-D mesh (the tensor-parallel one, e.g. mesh['tp']), got a {mesh.ndim}-D mesh"
+        )
+    return mesh
+
+
+def _replicate_parameters(module: nn.Module, mesh) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for name, p in list(module.named_parameters(recurse=False)):
+        replicated = distribute_tensor(p.detach(), mesh, [Replicate()])  # rank 0's values on every rank
+        module.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
 
 
 def _to_local_shard(sequence_dim: int):

@@ -34,6 +34,7 @@ from mhc._checks import (
     check_settings,
     check_streams_shape,
 )
+from mhc._local import local_parameters
 from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
@@ -112,13 +113,16 @@ def reduce_streams(x: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
 class StreamExpand(nn.Module):
     """``expand_streams`` with a learned per-stream embedding ``[n, dim]`` (initialised to zero)."""
 
+    _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
+
     def __init__(self, n_streams: int, dim: int):
         super().__init__()
         self.n_streams = _positive_int(n_streams, "n_streams")
         self.embedding = nn.Parameter(torch.zeros(n_streams, _positive_int(dim, "dim")))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return expand_streams(h, self.n_streams, self.embedding)
+        (embedding,) = local_parameters(self, (self.embedding,))
+        return expand_streams(h, self.n_streams, embedding)
 
 
 def collapse_weights(
@@ -171,6 +175,8 @@ class StreamCollapse(nn.Module):
     ``weights(x) -> [..., n]`` (fp32). See :func:`stream_collapse` for the paths.
     """
 
+    _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
+
     def __init__(
         self, dim: int, n_streams: int, rms_eps: float = DEFAULT_RMS_EPS, eps: float = 0.0, backend: str = "auto"
     ):
@@ -187,11 +193,14 @@ class StreamCollapse(nn.Module):
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
         check_same_device(x, self.phi.device, "x", "the layer's parameters")
-        return collapse_weights(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps)
+        return collapse_weights(x, *self._parameters_for_ops(), self.rms_eps, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
-        return stream_collapse(x, self.phi, self.a_pre, self.b_pre, self.rms_eps, self.eps, self.backend)
+        return stream_collapse(x, *self._parameters_for_ops(), self.rms_eps, self.eps, self.backend)
+
+    def _parameters_for_ops(self):
+        return local_parameters(self, (self.phi, self.a_pre, self.b_pre))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")
@@ -412,6 +421,8 @@ class LaneMixer(nn.Module):
     matmul above (no fused kernel there; ``backend="triton"`` still runs the Sinkhorn kernels).
     """
 
+    _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
+
     def __init__(
         self,
         n_lanes: int,
@@ -436,14 +447,15 @@ class LaneMixer(nn.Module):
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""
-        logits = self.logits.to(coefficient_dtype(self.logits))
+        logits, proj = local_parameters(self, (self.logits, self.proj if self.dynamic else None))
+        logits = logits.to(coefficient_dtype(logits))
         if self.dynamic:
             if x is None:
                 raise ValueError("a dynamic LaneMixer needs the lanes x to build its matrices")
             self._check_input(x)
-            dtype = coefficient_dtype(x, self.proj)
+            dtype = coefficient_dtype(x, proj)
             v = rearrange(x.to(dtype), "... s d -> ... (s d)")
-            dyn = (v @ self.proj.to(dtype)) * rms_inverse(v, self.rms_eps)
+            dyn = (v @ proj.to(dtype)) * rms_inverse(v, self.rms_eps)
             logits = logits + rearrange(dyn, "... (t s) -> ... t s", t=self.n_lanes)
         return sinkhorn(logits, self.iters, backward=self.backward, backend=self.backend)
 

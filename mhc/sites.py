@@ -26,6 +26,7 @@ from einops import einsum
 
 from mhc._checks import MAX_STREAMS, check_same_device, check_streams_shape
 from mhc._compat import materialized
+from mhc._local import local_parameters
 from mhc.layer import _kernels
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
@@ -92,12 +93,18 @@ class Site:
     """
 
     _recompute = None
+    _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
 
     def mixing_parameters(self):
         """``(phi, alpha, bias)``: the projection, the gates ``alpha [3] = (a_pre, a_post, a_res)``
         and the biases ``bias [2n + n*n] = [b_pre | b_post | vec(b_res)]`` (``phi`` and ``alpha``
         ``None`` for static sources), in any float dtype."""
         raise NotImplementedError
+
+    def compute_parameters(self):
+        """:meth:`mixing_parameters` as the ops take them: the local tensors of a sequence-parallel
+        site's ``DTensor`` parameters (:mod:`mhc._local`), else the parameters themselves."""
+        return local_parameters(self, self.mixing_parameters())
 
     def coefficients(self, x: torch.Tensor):
         """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on the reference

@@ -26,15 +26,17 @@ from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
 from mhc.recompute import recompute_streams
 
 DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6
-SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches)
-    "torch": ("torch", False, False, False, False),
-    "torch_chained_recompute": ("torch", True, True, False, False),
-    "triton": ("triton", False, False, False, False),
-    "triton_chained": ("triton", True, False, False, False),
-    "torch_dtensor": ("torch", False, False, True, False),
-    "torch_tp": ("torch", False, False, False, True),
-    "triton_chained_tp": ("triton", True, False, False, True),
+SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches, compiled)
+    "torch": ("torch", False, False, False, False, False),
+    "torch_chained_recompute": ("torch", True, True, False, False, False),
+    "triton": ("triton", False, False, False, False, False),
+    "triton_chained": ("triton", True, False, False, False, False),
+    "torch_dtensor": ("torch", False, False, True, False, False),
+    "torch_tp": ("torch", False, False, False, True, False),
+    "triton_chained_tp": ("triton", True, False, False, True, False),
+    "triton_tp_compiled": ("triton", False, False, False, True, True),  # on GPUs only
 }
+CPU_SCENARIOS = [name for name, s in SCENARIOS.items() if not s[-1]]
 
 
 class Model(nn.Module):
@@ -78,7 +80,7 @@ def batch():
 
 def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
     """One scenario on the whole sequence (``shard=None``) or on shard ``(rank, world)``."""
-    backend, chained, recompute, dtensor, tp = SCENARIOS[name]
+    backend, chained, recompute, dtensor, tp, compiled = SCENARIOS[name]
     model = Model(backend).to(device)
     if recompute:
         recompute_streams(model, every=2)
@@ -89,7 +91,9 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
         x, weight = x[:, piece].contiguous(), weight[:, piece]
         parallelize_sites(model)
         if tp:
-            tensor_parallel_branches(model, world, device)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            tensor_parallel_branches(model, init_device_mesh(device, (world,)))
         else:  # replicated per-token branches: their gradients are summed like the sites'
             reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
     x.requires_grad_()
@@ -103,20 +107,19 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
             streams = site(streams)
         out = model.collapse(model.lanes(streams.to_local()))
     else:
-        out = model(x, chained)
+        out = (torch.compile(model) if compiled else model)(x, chained)
     (out * weight).sum().backward()
     grads = {n: _full(p.grad).cpu() for n, p in model.named_parameters()}
     return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads)
 
 
-def tensor_parallel_branches(model, world: int, device: str) -> None:
-    """Megatron's TP + SP MLP: the first linear column-wise from sequence-sharded input (the plan
-    all-gathers the sequence), the second row-wise back to sequence shards (reduce-scatter)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel_branches(model, mesh) -> None:
+    """Megatron's TP + SP MLP on the 1-D ``mesh``: the first linear column-wise from
+    sequence-sharded input (the plan all-gathers the sequence), the second row-wise back to
+    sequence shards (reduce-scatter)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(device, (world,))
     plan = {"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
     for site in model.sites:
         parallelize_module(site.branch, mesh, plan)
@@ -137,7 +140,7 @@ def main(out_dir: str, device: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(rank)
-    for name in SCENARIOS:
+    for name in SCENARIOS if device == "cuda" else CPU_SCENARIOS:
         got = run(name, (rank, world), device)
         outputs = (gather(got[k], world).cpu() for k in ("out", "x_grad"))
         result = dict(zip(("out", "x_grad"), outputs), grads=got["grads"])

@@ -1,6 +1,8 @@
 """Sequence-parallel sites (``mhc.distributed``) on 2 gloo ranks against one process on the whole
 sequence: outputs, input gradients and every parameter gradient, on both paths (the kernels in
-Triton's interpreter), chained sites, recompute and DTensor streams."""
+Triton's interpreter), chained sites, recompute and DTensor streams. On 4 ranks, a 2-D
+``(dp, tp)`` mesh with FSDP2 and tensor-parallel MLPs, and a DCP checkpoint saved on it and loaded
+into one process."""
 
 import os
 from pathlib import Path
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from mhc.distributed import parallelize_sites
+from tests import mesh_2d_worker
 from tests import sequence_parallel_worker as worker
 from tests.torchrun import torchrun
 
@@ -33,6 +36,23 @@ def gpu_results(tmp_path_factory):
     return out
 
 
+def run_mesh_2d(tmp_path_factory, device: str, backend: str):
+    out = tmp_path_factory.mktemp(f"mesh_2d_{device}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    torchrun([ROOT / "tests/mesh_2d_worker.py", out, device, backend], env=env, cwd=ROOT, timeout=600, nproc=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh_2d_results(tmp_path_factory):
+    return run_mesh_2d(tmp_path_factory, "cpu", "torch")
+
+
+@pytest.fixture(scope="module")
+def mesh_2d_gpu_results(tmp_path_factory):
+    return run_mesh_2d(tmp_path_factory, "cuda", "triton")
+
+
 def assert_same(got, want):
     torch.testing.assert_close(got["out"], want["out"].cpu(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got["x_grad"], want["x_grad"].cpu(), rtol=1e-6, atol=1e-6)
@@ -43,7 +63,7 @@ def assert_same(got, want):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in the interpreter on CPU")
-@pytest.mark.parametrize("scenario", list(worker.SCENARIOS))
+@pytest.mark.parametrize("scenario", worker.CPU_SCENARIOS)
 def test_two_sequence_shards_equal_one_process(results, scenario):
     assert_same(torch.load(results / f"{scenario}.pt"), worker.run(scenario, shard=None))
 
@@ -54,6 +74,40 @@ def test_two_sequence_shards_equal_one_process(results, scenario):
 def test_two_gpus_equal_one_gpu(gpu_results, scenario):
     """The same over NCCL, one GPU per rank, the fused kernels compiled."""
     assert_same(torch.load(gpu_results / f"{scenario}.pt"), worker.run(scenario, shard=None, device="cuda"))
+
+
+def assert_mesh_2d_equals_one_process(out, backend: str, device: str):
+    model = worker.Model(backend).to(device)
+    x, weight = (t.to(device) for t in worker.batch())
+    (model(x, chained=False) * weight).sum().backward()
+    got = torch.load(out / "grads.pt")
+    assert got.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        assert p.grad.abs().max() > 0, name
+        torch.testing.assert_close(got[name], p.grad.cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+    # the checkpoint of the 2-D layout, loaded into one process: the parameters after one SGD step
+    import torch.distributed.checkpoint as dcp
+
+    loaded = worker.Model(backend)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=str(out / "dcp"))
+    for name, p in model.named_parameters():
+        want = (p - mesh_2d_worker.LR * p.grad).detach().cpu()
+        assert not torch.equal(state[name], p.detach().cpu()), name
+        torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_fsdp_by_tensor_parallel_mesh_equals_one_process(mesh_2d_results):
+    assert_mesh_2d_equals_one_process(mesh_2d_results, "torch", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_fsdp_by_tensor_parallel_mesh_on_four_gpus(mesh_2d_gpu_results):
+    """The 2-D mesh over NCCL, the fused kernels."""
+    assert_mesh_2d_equals_one_process(mesh_2d_gpu_results, "triton", "cuda")
 
 
 def test_bad_arguments():

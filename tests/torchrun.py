@@ -14,15 +14,15 @@ import warnings
 CRASH_SIGNATURES = ("Signal 11 (SIGSEGV)", "Signal 6 (SIGABRT)")
 
 
-def torchrun(script_and_args, *, env, cwd, timeout) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=2 ...``; raises
+def torchrun(script_and_args, *, env, cwd, timeout, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=<nproc> ...``; raises
     ``AssertionError`` with the output's tail when the launch fails (twice if it crashed)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={nproc}",
         *map(str, script_and_args),
     ]
     for attempt in range(2):

@@ -1,0 +1,30 @@
+"""The local tensors of sequence-parallel modules' parameters.
+
+:func:`mhc.distributed.parallelize_sites` makes a module's own parameters ``DTensor``\\ s
+replicated over the tensor-parallel mesh, and the module runs on its rank's share of the tokens.
+The kernels and the reference ops take plain tensors: a module reads its parameters through
+:func:`local_parameters`, which hands over each ``DTensor``'s local tensor with its gradient
+declared a partial sum (``Partial``): each rank's gradient covers its own tokens only, and the
+``DTensor`` sums them over the mesh where the gradient is used (FSDP2's reduction, the optimizer,
+``full_tensor()``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["local_parameters"]
+
+
+def local_parameters(module, params: tuple) -> tuple:
+    """``params`` (tensors or ``None``) as the ops take them: unchanged unless ``module`` is
+    sequence-parallel (``module._mhc_sequence_parallel``), then each ``DTensor``'s local tensor."""
+    if not module._mhc_sequence_parallel:
+        return params
+    return tuple(None if p is None else _local(p) for p in params)
+
+
+def _local(p):
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
