@@ -7,52 +7,27 @@ The fused backend runs the kernels in Triton's interpreter on CPU (compiled on a
 """
 
 import copy
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
+from transformers import DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
 
 from mhc import mixing_ops  # noqa: E402
 from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
 from tests.conftest import KERNEL_DEVICE  # noqa: E402
+from tests.deepseek_v4_data import step_ids, tiny_config  # noqa: E402
+from tests.torchrun import torchrun  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BACKENDS = ["torch", "triton"]
-MLP_TYPES = ["hash_moe", "moe"]  # both routers
-
-
-def tiny_config(hc_mult=4, iters=20, layers=2, hidden=64, **kwargs):
-    return DeepseekV4Config(
-        vocab_size=97,
-        hidden_size=hidden,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        q_lora_rank=32,
-        o_lora_rank=32,
-        o_groups=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=4,
-        sliding_window=8,
-        qk_rope_head_dim=8,
-        hc_mult=hc_mult,
-        hc_sinkhorn_iters=iters,
-        num_nextn_predict_layers=0,
-        max_position_embeddings=256,
-        mlp_layer_types=MLP_TYPES[:layers],
-        experts_implementation="eager",
-        **kwargs,  # the loop over experts runs in fp64 too (the oracle)
-    )
 
 
 def model_pair(backend, seed=0, **config):
@@ -95,6 +70,38 @@ def test_patched_model_computes_what_transformers_computes(backend, hc_mult, ite
     for k in want_grads:
         assert_close_scaled(grads[k], want_grads[k], 2e-5)
     assert any("attn_hc.fn" in k for k in grads) and any("hc_head.hc_fn" in k for k in grads)
+
+
+def run_tensor_parallel(tmp_path, device, backend):
+    """transformers' TP plan on 2 ranks (tests/deepseek_v4_tp_worker.py) against transformers'
+    own model in this process: loss, logits and every replicated parameter's gradient."""
+    pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+    ref, _ = model_pair(backend, seed=5, vocab=98)  # the plan splits the vocabulary over the ranks
+    ref.save_pretrained(tmp_path / "checkpoint")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    args = [ROOT / "tests/deepseek_v4_tp_worker.py", tmp_path / "checkpoint", tmp_path, device, backend]
+    torchrun(args, env=env, cwd=ROOT, timeout=600)
+    got = torch.load(tmp_path / "step.pt")
+    want_loss, want_logits, want_grads = step(ref.to(device), step_ids().to(device))
+    torch.testing.assert_close(got["loss"], want_loss.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["logits"], want_logits.cpu(), rtol=1e-5, atol=1e-5)
+    assert got["grads"].keys() == want_grads.keys() - set(got["sharded"])
+    assert not any("hc" in k for k in got["sharded"]), got["sharded"]
+    assert sum("hc" in k for k in got["grads"]) == 2 * 2 * 3 + 3  # 2 layers of 2 sites, and the head
+    for k in got["grads"]:
+        assert_close_scaled(got["grads"][k], want_grads[k].cpu(), 2e-5)
+    assert "is a DTensor" in (tmp_path / "error.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers' TP plan takes the GPUs where there are any")
+def test_tensor_parallel_plan(tmp_path):
+    run_tensor_parallel(tmp_path, "cpu", "torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_plan_on_two_gpus(tmp_path):
+    run_tensor_parallel(tmp_path, "cuda", "triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

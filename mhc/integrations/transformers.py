@@ -57,6 +57,17 @@ def _v4_parameters(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n:
     return phi, scale, bias
 
 
+def _check_not_distributed(base) -> None:
+    sites = [m for layer in base.layers for m in (layer.attn_hc, layer.ffn_hc)] + [base.hc_head]
+    for site in sites:
+        for name, p in site.named_parameters(recurse=False):
+            if hasattr(p, "device_mesh"):
+                raise ValueError(
+                    f"patch_deepseek_v4 takes the mHC parameters as plain tensors, replicated as transformers' "
+                    f"tensor-parallel plan leaves them; {type(site).__name__}.{name} is a DTensor {p.placements}"
+                )
+
+
 def _patched_classes():
     """The subclasses that replace V4's mHC classes (built once, on first use)."""
     if _PATCHED:
@@ -136,12 +147,15 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
     model; everything else (attention, MoE, norms, cache, generation) is transformers' own. The
     model computes what transformers computes (fp32: to rounding; the fused path mixes in fp32
     where V4 rounds its coefficients to the model dtype first), with the same parameters.
+    Tensor parallel (``from_pretrained(..., tp_plan="auto")``) shards the experts only: the
+    hidden streams and the mHC parameters stay replicated, and every rank runs its sites whole.
 
     Raises:
         ImportError: transformers without DeepSeek-V4.
         TypeError: ``model`` is not a DeepSeek-V4 model.
-        ValueError: ``hc_mult`` beyond the kernels (16 streams) on ``backend="triton"``, or an
-            unknown ``backend``.
+        ValueError: ``hc_mult`` beyond the kernels (16 streams) on ``backend="triton"``, an
+            unknown ``backend``, or mHC parameters that are ``DTensor``\\ s (sharded by a plan
+            other than transformers' own).
     """
     v4 = _deepseek_v4()
     if backend not in BACKENDS:
@@ -159,6 +173,7 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
     limit = min(MAX_STREAMS, MAX_EPS_N)
     if backend == "triton" and n > limit:
         raise ValueError(f"the fused kernels take hc_mult <= {limit}, got {n}; use backend='torch'")
+    _check_not_distributed(base)
     classes = _patched_classes()
     for layer in base.layers:
         layer.__class__ = classes["layer"]
