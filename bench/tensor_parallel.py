@@ -1,14 +1,17 @@
-"""Tensor + sequence parallel MLP blocks, plain residual against mHC sites, on 1 GPU or N.
+"""Tensor + sequence parallel GPT blocks, plain residual against mHC sites, on 1 GPU or N.
 
     python -m bench.tensor_parallel                                   # one GPU, whole sequences
     torchrun --nproc_per_node=2 -m bench.tensor_parallel              # TP + SP over 2 GPUs
 
-``layers`` blocks of ``RMSNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d)``, each around a plain
-residual or an mHC site (``n = 4``), bf16, the same global tokens on any GPU count. With N ranks the
-MLPs are Megatron's TP (column-wise in, row-wise out, the sequence gathered and scattered), the
-activations between them sequence-sharded, the sites run by :func:`mhc.distributed.parallelize_sites`.
-Prints per arm the median forward + backward step (10 after 3 warm-up steps) and its peak memory
-above what was allocated before it.
+``layers`` blocks of causal attention (``RMSNorm``, q/k/v/out projections, ``d / 128`` heads) and an
+MLP (``RMSNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d)``), each branch around a plain residual or
+an mHC site (``n = 4``), bf16, the same global tokens on any GPU count. With N ranks the branches
+are Megatron's TP (the sequence gathered once into the column-wise projections, scattered back
+out of the row-wise one), the activations between them sequence-sharded, the sites run by
+:func:`mhc.distributed.parallelize_sites`. Prints per arm the median forward + backward step over
+``--rounds`` rounds of 10 steps (arms interleaved, 3 warm-up steps) and its peak memory above what
+was allocated before it; ``--profile``: the collectives one step launches, per arm (the sites add
+none: the streams stay sharded).
 """
 
 from __future__ import annotations
@@ -19,28 +22,52 @@ import statistics
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mhc import HyperConnection, expand_streams, reduce_streams
 from mhc.distributed import parallelize_sites, reduce_gradients
 
+HEAD_DIM = 128
 
-def mlp(dim: int) -> nn.Sequential:
-    return nn.Sequential(nn.RMSNorm(dim), nn.Linear(dim, 4 * dim, bias=False), nn.GELU(),
-                         nn.Linear(4 * dim, dim, bias=False))  # fmt: skip
+
+class Attention(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, h):
+        q, k, v = (w(h).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the rank's heads, whole sequence
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(h)))
+
+
+class Branch(nn.Sequential):
+    def __init__(self, dim: int, core: nn.Module):
+        super().__init__(nn.RMSNorm(dim), core)
 
 
 class Blocks(nn.Module):
     def __init__(self, arm: str, dim: int, layers: int):
         super().__init__()
-        self.arm = arm
-        self.mlps = nn.ModuleList(mlp(dim) for _ in range(layers))
-        self.sites = nn.ModuleList(HyperConnection(dim, 4, branch=m) for m in self.mlps) if arm == "mhc" else None
+        self.branches = nn.ModuleList(Branch(dim, core) for _ in range(layers) for core in (Attention(dim), MLP(dim)))
+        self.sites = None
+        if arm == "mhc":
+            self.sites = nn.ModuleList(HyperConnection(dim, 4, branch=b) for b in self.branches)
 
     def forward(self, h):
         if self.sites is None:
-            for m in self.mlps:
-                h = h + m(h)
+            for b in self.branches:
+                h = h + b(h)
             return h
         x = expand_streams(h, 4)
         for site in self.sites:
@@ -50,19 +77,27 @@ class Blocks(nn.Module):
 
 def parallelize(model: Blocks, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cuda", (world,))
-    plan = {"1": ColwiseParallel(input_layouts=Shard(1)), "3": RowwiseParallel(output_layouts=Shard(1))}
-    for m in model.mlps:
-        parallelize_module(m, mesh, plan)
-        reduce_gradients(m[0].parameters())  # the norm runs on the sequence shard, replicated
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    attention = {"1": gather, "1.wq": ColwiseParallel(), "1.wk": ColwiseParallel(), "1.wv": ColwiseParallel(),
+                 "1.wo": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+    mlp = {"1.up": ColwiseParallel(input_layouts=Shard(1)), "1.down": RowwiseParallel(output_layouts=Shard(1))}
+    for b in model.branches:
+        parallelize_module(b, mesh, attention if isinstance(b[1], Attention) else mlp)
+        reduce_gradients(b[0].parameters())  # the norm runs on the sequence shard, replicated
     if model.sites is not None:
         parallelize_sites(model, mesh)
 
 
-def measure(arm: str, args, world: int, rank: int) -> tuple[float, float]:
+def build(arm: str, args, world: int):
     torch.manual_seed(0)
     model = Blocks(arm, args.dim, args.layers).cuda().to(torch.bfloat16)
     if world > 1:
@@ -70,13 +105,15 @@ def measure(arm: str, args, world: int, rank: int) -> tuple[float, float]:
     seq = args.seq // world
     h = torch.randn(args.tokens // args.seq, seq, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(h)
+    return lambda: model(h).backward(grad)
 
-    def step():
-        model(h).backward(grad)
 
+def measure(step, world: int) -> tuple[list[float], float]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if world > 1:
+        dist.barrier()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     times = []
@@ -87,8 +124,22 @@ def measure(arm: str, args, world: int, rank: int) -> tuple[float, float]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return statistics.median(times), peak
+    return times, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def collectives(step) -> dict[str, int]:
+    """How many NCCL kernels of each kind one step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and "nccl" in event.name.lower():
+            kind = event.name.split("(")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def main() -> None:
@@ -98,6 +149,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384, help="global tokens per step")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--arms", nargs="+", default=["plain", "mhc"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="count the collectives of one step per arm")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
@@ -105,13 +158,22 @@ def main() -> None:
         dist.init_process_group("nccl")
         rank = dist.get_rank()
     torch.cuda.set_device(rank)
-    for arm in args.arms:
-        ms, peak = measure(arm, args, world, rank)
-        if rank == 0:
-            print(
-                f"{world} GPU(s) d={args.dim} {args.tokens} tok {arm:>6}: {ms:8.2f} ms, peak {peak:6.2f} GiB",
-                flush=True,
-            )
+    steps = {arm: build(arm, args, world) for arm in args.arms}
+    times, peaks = {arm: [] for arm in args.arms}, {}
+    for _ in range(args.rounds):
+        for arm, step in steps.items():
+            t, peaks[arm] = measure(step, world)
+            times[arm] += t
+    if rank == 0:
+        for arm in args.arms:
+            ms = statistics.median(times[arm])
+            print(f"{world} GPU(s) d={args.dim} {args.tokens} tok {arm:>6}: {ms:8.2f} ms, peak {peaks[arm]:6.2f} GiB",
+                  flush=True)  # fmt: skip
+    if args.profile:
+        for arm, step in steps.items():
+            counts = collectives(step)
+            if rank == 0:
+                print(f"{world} GPU(s) {arm:>6} collectives per step: {dict(sorted(counts.items()))}", flush=True)
     if world > 1:
         dist.destroy_process_group()
 
