@@ -1,4 +1,5 @@
-"""The local tensors of sequence-parallel modules' parameters.
+"""The local tensors of sequence-parallel modules' parameters, and initial values for ``DTensor``
+parameters.
 
 :func:`mhc.distributed.parallelize_sites` makes a module's own parameters ``DTensor``\\ s
 replicated over the tensor-parallel mesh, and the module runs on its rank's share of the tokens.
@@ -11,7 +12,7 @@ declared a partial sum (``Partial``): each rank's gradient covers its own tokens
 
 from __future__ import annotations
 
-__all__ = ["local_parameters"]
+__all__ = ["assign", "local_parameters"]
 
 
 def local_parameters(module, params: tuple) -> tuple:
@@ -28,3 +29,14 @@ def _local(p):
     if not isinstance(p, DTensor):
         return p
     return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
+
+
+def assign(param, value) -> None:
+    """``param.copy_(value)`` for a whole-tensor ``value`` (built on the host): a ``DTensor``
+    parameter (FSDP2's shards, a replicated site) takes its part of it, rank 0's values on every
+    rank. Call under ``torch.no_grad()``."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
+    param.copy_(value)

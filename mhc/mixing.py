@@ -34,7 +34,7 @@ from mhc._checks import (
     check_settings,
     check_streams_shape,
 )
-from mhc._local import local_parameters
+from mhc._local import assign, local_parameters
 from mhc.coefficients import biases, coefficient_dtype, rms_inverse, source_for
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import post_mix, pre_mix
@@ -120,6 +120,11 @@ class StreamExpand(nn.Module):
         self.n_streams = _positive_int(n_streams, "n_streams")
         self.embedding = nn.Parameter(torch.zeros(n_streams, _positive_int(dim, "dim")))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Zero embeddings (DTensor parameters too, see :meth:`HyperConnection.reset_parameters`)."""
+        assign(self.embedding, torch.zeros(self.embedding.shape))
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         (embedding,) = local_parameters(self, (self.embedding,))
         return expand_streams(h, self.n_streams, embedding)
@@ -186,9 +191,18 @@ class StreamCollapse(nn.Module):
         self.rms_eps = _check_rms_eps(rms_eps)
         self.eps = check_settings(1, "exact", backend, eps)
         self.backend = backend
-        self.phi = nn.Parameter(torch.zeros(n * dim, n))
-        self.a_pre = nn.Parameter(torch.full((1,), 0.01))
-        self.b_pre = nn.Parameter(torch.full((n,), -math.log(n - 1) if n > 1 else 20.0))
+        self.phi = nn.Parameter(torch.empty(n * dim, n))
+        self.a_pre = nn.Parameter(torch.empty(1))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The mean of the streams (DTensor parameters too, see :meth:`HyperConnection.reset_parameters`)."""
+        n = self.n_streams
+        assign(self.phi, torch.zeros(self.phi.shape))
+        assign(self.a_pre, torch.full((1,), 0.01))
+        assign(self.b_pre, torch.full((n,), -math.log(n - 1) if n > 1 else 20.0))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
@@ -363,26 +377,28 @@ class HyperConnection(nn.Module, Site):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """The initial values (``init``), written in place: also into ``DTensor`` parameters
+        (FSDP2, :func:`mhc.distributed.parallelize_sites`), e.g. after ``to_empty`` of a model
+        built on the meta device."""
         n = self.n_streams
-        b_pre, b_post, b_res = biases(self.bias, n)
+        bias = torch.zeros(self.bias.shape)
+        b_pre, b_post, b_res = biases(bias, n)
         if self.constraint == "sinkhorn":
             if self.init == "residual":
                 # sigmoid(b_pre) = 1/n so the branch input is the mean of the streams; 2 sigmoid(0) = 1
                 b_pre.fill_(-math.log(n - 1) if n > 1 else 20.0)
-                b_post.zero_()
                 b_res.copy_(4.0 * torch.eye(n))
-            else:
-                self.bias.zero_()
         else:
             b_pre.fill_(1.0 / n)
             b_post.fill_(1.0)
             b_res.copy_(torch.eye(n))
+        assign(self.bias, bias)
         if self.dynamic:
-            self.alpha.fill_(0.01)
-            if self.init == "residual":
-                self.phi.zero_()
-            else:
-                nn.init.normal_(self.phi, std=self.phi.shape[0] ** -0.5)
+            assign(self.alpha, torch.full(self.alpha.shape, 0.01))
+            phi = torch.zeros(self.phi.shape)
+            if self.init != "residual":
+                nn.init.normal_(phi, std=self.phi.shape[0] ** -0.5)
+            assign(self.phi, phi)
 
     def mixing_parameters(self):
         if self.dynamic:
@@ -441,9 +457,18 @@ class LaneMixer(nn.Module):
         check_settings(iters, backward, backend)
         self.iters, self.dynamic, self.backward, self.backend = iters, bool(dynamic), backward, backend
         self.rms_eps = _check_rms_eps(rms_eps)
-        self.logits = nn.Parameter(torch.randn(n, n) * 0.02)
+        self.logits = nn.Parameter(torch.empty(n, n))
         if self.dynamic:
-            self.proj = nn.Parameter(torch.zeros(n * dim, n * n))
+            self.proj = nn.Parameter(torch.empty(n * dim, n * n))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Logits ``N(0, 0.02^2)``, a zero projection (DTensor parameters too, see
+        :meth:`HyperConnection.reset_parameters`)."""
+        assign(self.logits, torch.randn(self.logits.shape) * 0.02)
+        if self.dynamic:
+            assign(self.proj, torch.zeros(self.proj.shape))
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""

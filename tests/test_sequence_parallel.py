@@ -17,6 +17,8 @@ from tests import sequence_parallel_worker as worker
 from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+# one worker runs the whole module: its torchrun fixtures once (pytest -n with --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sequence_parallel")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,7 @@ def assert_mesh_2d_equals_one_process(out, backend: str, device: str):
     x, weight = (t.to(device) for t in worker.batch())
     (model(x, chained=False) * weight).sum().backward()
     got = torch.load(out / "grads.pt")
+    assert "takes a 1-D mesh" in (out / "refused.txt").read_text()
     assert got.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         assert p.grad.abs().max() > 0, name
@@ -96,6 +99,15 @@ def assert_mesh_2d_equals_one_process(out, backend: str, device: str):
         want = (p - mesh_2d_worker.LR * p.grad).detach().cpu()
         assert not torch.equal(state[name], p.detach().cpu()), name
         torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+    # built on the meta device, sharded, materialised: reset_parameters writes the initial values
+    fresh = worker.Model(backend)
+    mesh_2d_worker.reset_mhc_parameters(fresh)
+    initialised = torch.load(out / "initialised.pt")
+    want = mesh_2d_worker.mhc_parameters(fresh)
+    assert initialised.keys() == want.keys() and any("lanes.logits" in k for k in want)
+    for name, p in want.items():
+        assert torch.equal(initialised[name], p.detach()), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
