@@ -24,6 +24,8 @@ from tests import distributed_worker as worker
 from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+# one worker runs the whole module: its torchrun fixtures once (pytest -n with --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("distributed")
 
 
 @pytest.fixture(scope="module")
