@@ -34,8 +34,13 @@ PER_TOKEN = (Site, LaneMixer, StreamCollapse, StreamExpand)
 def reduce_gradients(params, group=None) -> int:
     """Sum every gradient that reaches ``params`` over ``group`` (the default process group if
     ``None``) before it accumulates in ``.grad``: for parameters replicated over ranks that each
-    see part of the tokens. Each backward contribution is reduced once, so gradient accumulation
-    over micro-batches stays right. Returns how many parameters got the hook."""
+    see part of the tokens (a branch's norm under sequence parallelism, say). Each backward
+    contribution is reduced once, so gradient accumulation over micro-batches stays right.
+    Returns how many parameters got the hook.
+
+    The hooks sit on these parameter objects: under FSDP2, which computes with unsharded copies,
+    they never run. There, make the parameters ``DTensor``\\ s replicated over the group, as
+    :func:`parallelize_sites` does for the sites."""
     count = 0
     for p in params:
         if p.requires_grad:
