@@ -24,6 +24,7 @@ from tests import distributed_worker as worker
 from tests.torchrun import run_once, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("distributed")  # its tests on one worker (--dist=loadgroup)
 
 
 @pytest.fixture(scope="module")

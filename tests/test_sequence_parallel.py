@@ -17,6 +17,7 @@ from tests import sequence_parallel_worker as worker
 from tests.torchrun import run_once, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("sequence_parallel")  # its tests on one worker (--dist=loadgroup)
 
 
 def launch_sequence_parallel(device: str):
