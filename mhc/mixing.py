@@ -123,7 +123,7 @@ class StreamExpand(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Zero embeddings (DTensor parameters too, see :meth:`HyperConnection.reset_parameters`)."""
-        assign(self.embedding, torch.zeros(self.embedding.shape))
+        assign(self.embedding, torch.zeros(self.embedding.shape, dtype=self.embedding.dtype))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         (embedding,) = local_parameters(self, (self.embedding,))
@@ -200,9 +200,9 @@ class StreamCollapse(nn.Module):
     def reset_parameters(self) -> None:
         """The mean of the streams (DTensor parameters too, see :meth:`HyperConnection.reset_parameters`)."""
         n = self.n_streams
-        assign(self.phi, torch.zeros(self.phi.shape))
-        assign(self.a_pre, torch.full((1,), 0.01))
-        assign(self.b_pre, torch.full((n,), -math.log(n - 1) if n > 1 else 20.0))
+        assign(self.phi, torch.zeros(self.phi.shape, dtype=self.phi.dtype))
+        assign(self.a_pre, torch.full((1,), 0.01, dtype=self.a_pre.dtype))
+        assign(self.b_pre, torch.full((n,), -math.log(n - 1) if n > 1 else 20.0, dtype=self.b_pre.dtype))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
@@ -381,7 +381,7 @@ class HyperConnection(nn.Module, Site):
         (FSDP2, :func:`mhc.distributed.parallelize_sites`), e.g. after ``to_empty`` of a model
         built on the meta device."""
         n = self.n_streams
-        bias = torch.zeros(self.bias.shape)
+        bias = torch.zeros(self.bias.shape, dtype=self.bias.dtype)
         b_pre, b_post, b_res = biases(bias, n)
         if self.constraint == "sinkhorn":
             if self.init == "residual":
@@ -394,8 +394,8 @@ class HyperConnection(nn.Module, Site):
             b_res.copy_(torch.eye(n))
         assign(self.bias, bias)
         if self.dynamic:
-            assign(self.alpha, torch.full(self.alpha.shape, 0.01))
-            phi = torch.zeros(self.phi.shape)
+            assign(self.alpha, torch.full(self.alpha.shape, 0.01, dtype=self.alpha.dtype))
+            phi = torch.zeros(self.phi.shape, dtype=self.phi.dtype)
             if self.init != "residual":
                 nn.init.normal_(phi, std=self.phi.shape[0] ** -0.5)
             assign(self.phi, phi)
@@ -466,9 +466,9 @@ class LaneMixer(nn.Module):
     def reset_parameters(self) -> None:
         """Logits ``N(0, 0.02^2)``, a zero projection (DTensor parameters too, see
         :meth:`HyperConnection.reset_parameters`)."""
-        assign(self.logits, torch.randn(self.logits.shape) * 0.02)
+        assign(self.logits, torch.randn(self.logits.shape, dtype=self.logits.dtype) * 0.02)
         if self.dynamic:
-            assign(self.proj, torch.zeros(self.proj.shape))
+            assign(self.proj, torch.zeros(self.proj.shape, dtype=self.proj.dtype))
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""
