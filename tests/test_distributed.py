@@ -21,22 +21,20 @@ import torch.distributed.checkpoint as dcp
 
 from mhc.mixing import HyperConnection
 from tests import distributed_worker as worker
-from tests.torchrun import run_once, torchrun
+from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("distributed")  # its tests on one worker (--dist=loadgroup)
+# one worker runs the module, so its torchrun fixture runs once (pytest -n, --dist=loadgroup)
+pytestmark = pytest.mark.xdist_group("distributed")
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # CPU tensors take the PyTorch path; no kernels run here
-    script = ROOT / "tests/distributed_worker.py"
-
-    def launch(out):
-        torchrun([script, out], env=env, cwd=ROOT, timeout=600)
-
-    return run_once(tmp_path_factory, "distributed", launch)
+    torchrun([ROOT / "tests/distributed_worker.py", out], env=env, cwd=ROOT, timeout=600)
+    return out
 
 
 @pytest.fixture(scope="module")

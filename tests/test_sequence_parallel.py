@@ -14,38 +14,37 @@ from torch import nn
 from mhc.distributed import parallelize_sites
 from tests import mesh_2d_worker
 from tests import sequence_parallel_worker as worker
-from tests.torchrun import run_once, torchrun
+from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("sequence_parallel")  # its tests on one worker (--dist=loadgroup)
+# one worker runs the module, so its torchrun fixtures run once (pytest -n, --dist=loadgroup)
+pytestmark = pytest.mark.xdist_group("sequence_parallel")
 
 
-def launch_sequence_parallel(device: str):
+def run_sequence_parallel(tmp_path_factory, device: str):
+    out = tmp_path_factory.mktemp(f"sequence_parallel_{device}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     if device == "cuda":
         env.pop("TRITON_INTERPRET")
-    script = ROOT / "tests/sequence_parallel_worker.py"
-    return lambda out: torchrun([script, out, device], env=env, cwd=ROOT, timeout=600)
+    torchrun([ROOT / "tests/sequence_parallel_worker.py", out, device], env=env, cwd=ROOT, timeout=600)
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_once(tmp_path_factory, "sequence_parallel", launch_sequence_parallel("cpu"))
+    return run_sequence_parallel(tmp_path_factory, "cpu")
 
 
 @pytest.fixture(scope="module")
 def gpu_results(tmp_path_factory):
-    return run_once(tmp_path_factory, "sequence_parallel_gpu", launch_sequence_parallel("cuda"))
+    return run_sequence_parallel(tmp_path_factory, "cuda")
 
 
 def run_mesh_2d(tmp_path_factory, device: str, backend: str):
+    out = tmp_path_factory.mktemp(f"mesh_2d_{device}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    args = [ROOT / "tests/mesh_2d_worker.py", "OUT", device, backend]
-
-    def launch(out):
-        torchrun([out if a == "OUT" else a for a in args], env=env, cwd=ROOT, timeout=600, nproc=4)
-
-    return run_once(tmp_path_factory, f"mesh_2d_{device}", launch)
+    torchrun([ROOT / "tests/mesh_2d_worker.py", out, device, backend], env=env, cwd=ROOT, timeout=600, nproc=4)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,9 @@ in the run itself. A launch whose worker died by a signal is retried once, with 
 a run that exits with an error or produces a wrong result is never retried.
 """
 
-import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
-
-from filelock import FileLock
 
 CRASH_SIGNATURES = ("Signal 11 (SIGSEGV)", "Signal 6 (SIGABRT)")
 
@@ -38,19 +34,3 @@ def torchrun(script_and_args, *, env, cwd, timeout, nproc: int = 2) -> subproces
             break
         warnings.warn(f"a gloo worker died by a signal; retrying once:\n{done.stderr[-1500:]}")
     raise AssertionError(f"torchrun failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-
-
-def run_once(tmp_path_factory, name: str, launch) -> Path:
-    """``launch(out)`` once per test session, into a folder ``name`` that pytest-xdist's workers
-    share: the first worker to ask runs it under a file lock, the others wait and read its
-    output (a module's fixture would otherwise run on every worker that gets one of its tests)."""
-    root = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        root = root.parent  # each worker's base folder sits in the session's
-    out = root / name
-    with FileLock(f"{out}.lock"):
-        if not (out / ".done").exists():
-            out.mkdir(parents=True, exist_ok=True)
-            launch(out)
-            (out / ".done").touch()
-    return out
