@@ -24,6 +24,7 @@ from torch import nn
 from mhc.distributed import parallelize_sites, reduce_gradients
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
 from mhc.recompute import recompute_streams
+from tests.site_stack import through_sites
 
 DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6
 SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches, compiled)
@@ -57,18 +58,7 @@ class Model(nn.Module):
                 p.add_(0.1 * torch.randn_like(p))
 
     def forward(self, x, chained: bool):
-        if chained:
-            x_in, finish = self.sites[0].split(x)
-            for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
-                y = site.branch(x_in)
-                if nxt is None:
-                    x = finish(y)
-                else:
-                    x_in, finish = finish(y, next=nxt)
-        else:
-            for site in self.sites:
-                x = site(x)
-        return self.collapse(self.lanes(x))
+        return self.collapse(self.lanes(through_sites(self.sites, x, chained)))
 
 
 def batch():

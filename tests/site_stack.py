@@ -1,6 +1,6 @@
 """The model of the compiled-graph tests: HyperConnection sites, each around its own branch, on a
 hidden state widened to ``n`` streams and reduced back, called one by one or chained
-(``finish(y, next=)``)."""
+(``finish(y, next=)``), and that loop over sites for the other tests' models."""
 
 from torch import nn
 
@@ -17,14 +17,19 @@ class SiteStack(nn.Module):
         self.sites = nn.ModuleList(HyperConnection(dim, n, branch, **site) for branch in branches)
 
     def forward(self, h):
-        x = expand_streams(h, self.n)
-        if not self.chain:
-            for site in self.sites:
-                x = site(x)
-            return reduce_streams(x)
-        x_in, finish = self.sites[0].split(x)
-        for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                return reduce_streams(finish(y))
-            x_in, finish = finish(y, next=nxt)
+        return reduce_streams(through_sites(self.sites, expand_streams(h, self.n), self.chain))
+
+
+def through_sites(sites, x, chain: bool):
+    """The streams ``x`` through ``sites`` (each around its own ``branch``), called one by one or
+    chained (``finish(y, next=)``)."""
+    if not chain:
+        for site in sites:
+            x = site(x)
+        return x
+    x_in, finish = sites[0].split(x)
+    for site, nxt in zip(sites, list(sites[1:]) + [None]):
+        y = site.branch(x_in)
+        if nxt is None:
+            return finish(y)
+        x_in, finish = finish(y, next=nxt)

@@ -12,6 +12,7 @@ from torch import nn
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, LaneMixer, expand_streams, reduce_streams
 from mhc.recompute import recompute_streams
+from tests.site_stack import through_sites
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +37,7 @@ class Model(nn.Module):
         self.head = LinearCrossEntropy(DIM, VOCAB, capturable=True)
 
     def forward(self, tokens, targets):
-        x = expand_streams(self.embed(tokens), N)
-        if self.chain:
-            x_in, finish = self.sites[0].split(x)
-            for site, nxt in zip(self.sites, list(self.sites[1:]) + [None]):
-                y = site.branch(x_in)
-                if nxt is None:
-                    x = finish(y)
-                else:
-                    x_in, finish = finish(y, next=nxt)
-        else:
-            for site in self.sites:
-                x = site(x)
+        x = through_sites(self.sites, expand_streams(self.embed(tokens), N), self.chain)
         return self.head(reduce_streams(self.lanes(x)), targets)
 
 
