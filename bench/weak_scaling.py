@@ -1,7 +1,7 @@
 """Weak scaling of a GPT with plain residuals and with mhc hyper-connections under FSDP2: the same
 tokens per GPU on 1 and on N GPUs, several runs each.
 
-    python -m bench.weak_scaling --gpus 1 2 --tokens 8192 16384 --runs 5 --out results/scaling
+    python -m bench.weak_scaling --gpus 1 2 --tokens 8192 16384 --runs 5 --out results/scaling [--compile]
 
 The driver launches one ``torchrun`` job per (tokens, GPUs); a job builds each arm's model afresh
 for every run, the arms interleaved within a run, and times it. The driver writes ``scaling.csv``
@@ -15,7 +15,9 @@ The model (issue-sized): d = 2048, 8 layers (16 sites), 16 heads, n = 4 streams,
 ``MixedPrecisionPolicy(bf16, fp32)``, AdamW; 3 warm-up steps, then 10 timed steps (synchronised
 wall time each). Arms: ``plain``, ``mhc`` (every site called as a module) and ``mhc-chain`` (the
 two sites of a layer joined by ``finish(y, next=...)``; FSDP2 gathers a layer's parameters once
-for both).
+for both). ``--compile`` compiles each layer before sharding it (``layer.compile(dynamic=False)``, as torchtitan
+does), every arm alike; ``--cpp-wrapper`` also sets Inductor's ``cpp_wrapper`` (the compiled
+graphs launch their kernels from C++).
 """
 
 from __future__ import annotations
@@ -109,22 +111,33 @@ def worker(args):
     for run in range(args.runs):
         for arm in args.arms:
             times, peak, summary = _run(arm, args, device, rank, sync)
-            results.append(dict(run=run, arm=arm, times=times, peak_gib=peak, profile=summary))
+            results.append(dict(run=run, arm=arm, times=times, peak_gib=peak, profile=summary, graphs=_graphs()))
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 
 
+def _graphs() -> int:
+    """Graphs compiled so far in this process (a layer over the recompile limit would run eager)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _run(arm, args, device, rank, sync):
     """Build ``arm``'s model on the device, shard it, time ``args.steps`` steps after warm-up."""
+    from torch._inductor import config as inductor_config
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     with device:
         model = GPT(arm, dim=args.dim, layers=args.layers, heads=args.heads)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    inductor_config.cpp_wrapper = args.cpp_wrapper
     for layer in model.layers:
+        if args.compile:
+            layer.compile(dynamic=False)  # one static graph per arm (the arms share the code)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -192,36 +205,41 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
     """One torchrun job: ``runs`` rounds of every arm on ``gpus`` GPUs; its per-run results."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={gpus}",
-        "-m",
-        "bench.weak_scaling",
-        "--worker",
-        "--arms",
-        *arms,
-        "--runs",
-        str(runs),
-        "--tokens",
-        str(tokens),
-        "--result",
-        result,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--dim",
-        str(args.dim),
-        "--layers",
-        str(args.layers),
-        "--heads",
-        str(args.heads),
-        "--seq",
-        str(args.seq),
-    ] + (["--profile"] if profile else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={gpus}",
+            "-m",
+            "bench.weak_scaling",
+            "--worker",
+            "--arms",
+            *arms,
+            "--runs",
+            str(runs),
+            "--tokens",
+            str(tokens),
+            "--result",
+            result,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--dim",
+            str(args.dim),
+            "--layers",
+            str(args.layers),
+            "--heads",
+            str(args.heads),
+            "--seq",
+            str(args.seq),
+        ]
+        + (["--profile"] if profile else [])
+        + (["--compile"] if args.compile else [])
+        + (["--cpp-wrapper"] if args.cpp_wrapper else [])
+    )
     env = {**os.environ, **SAFE_ENV}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -248,11 +266,13 @@ def driver(args):
                         step_ms_min=min(r["times"]),
                         step_ms_max=max(r["times"]),
                         peak_gib=r["peak_gib"],
+                        graphs=r.get("graphs", 0),
                     )
                 )
                 print(
                     f"  run {r['run']} tokens/GPU {tokens:6d} {r['arm']:>9} {gpus} GPU(s): {ms:8.2f} ms "
-                    f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB",
+                    f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB, "
+                    f"{r.get('graphs', 0)} graphs compiled",
                     flush=True,
                 )
     with open(os.path.join(args.out, "scaling.csv"), "w", newline="") as f:
@@ -307,6 +327,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="compile each layer before sharding it")
+    p.add_argument("--cpp-wrapper", action="store_true", help="with --compile: Inductor's cpp_wrapper")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)

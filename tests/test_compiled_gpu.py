@@ -109,6 +109,27 @@ def test_compiled_step_with_the_mix_backward_split_over_d(chain, monkeypatch):
     assert "partial_sums_kernel" in "\n".join(code)
 
 
+@pytest.mark.parametrize("dim", [64, 4096])  # 4096: the forward's split over K (n * d >= 16384)
+def test_compiled_step_with_a_dynamic_token_count(dim):
+    """A graph compiled for any token count (``dynamic=True``, or automatic dynamic shapes after a
+    recompile): the launch plans take no guard on the count, so a second count reuses the graph,
+    and both counts match eager."""
+    torch.manual_seed(0)
+    model = SiteStack(dim, N, [nn.Linear(dim, dim) for _ in range(2)], False).cuda()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True)
+    for tokens in (96, 200):
+        torch.manual_seed(tokens)
+        h = torch.randn(tokens, dim, device="cuda")
+        w = torch.randn_like(h)
+        want = _step(model, model, h, w)
+        with torch.compiler.set_stance("fail_on_recompile" if tokens == 200 else "default"):
+            got = _step(compiled, model, h, w)
+        # at d = 4096 eager takes the small-token split over K and the graph the split of many
+        # tokens: the same sums in another order, and the bias gradients cancel to near 0
+        _assert_step_close(got, want, rtol=1e-4, atol=1e-5 if dim == 64 else 5e-5)
+
+
 def test_compiled_step_analyses_each_kernel_once(monkeypatch):
     """PyTorch asks which arguments a kernel writes several times per kernel call (functionalization,
     Inductor's lowering); through ``mhc._compat.write_analysis`` each kernel specialization's TTIR is

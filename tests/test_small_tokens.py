@@ -8,6 +8,8 @@ CPU: Triton's interpreter at a small width, with an H100's SM count given to the
 CPU's stand-in count is 4); GPU: the model width d = 1024 and the device's own SM count.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -92,6 +94,28 @@ def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, 
     assert 1 <= splits <= blocks
     assert splits == 1 or blocks >= mhc_coefficients.MIN_SPLIT_BLOCKS * splits
     assert splits <= max(1, round(waves * sms / chunks))
+
+
+@given(
+    block_t=st.sampled_from([16, 64, 128]),
+    waves=st.integers(1, 12),
+    chunks=st.integers(1, 2048),
+    sms=st.integers(1, 200),
+    resident=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_a_symbolic_token_count_takes_the_splits_of_many_tokens(block_t, waves, chunks, sms, resident, monkeypatch):
+    """A graph compiled for any token count takes the split counts of the limit of many tokens,
+    without a guard on the count (an unbacked count raises on any guard)."""
+    monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: sms)
+    device = torch.device(DEVICE)
+    symbolic = ShapeEnv().create_unbacked_symint()
+    # a count whose blocks every split count divides, and that no cap limits
+    blocks = math.lcm(*range(1, waves * sms + 1)) * mhc_coefficients.MIN_SPLIT_BLOCKS
+    many = mhc_coefficients.token_splits(blocks * block_t, block_t, waves, chunks, device, resident)
+    assert mhc_coefficients.token_splits(symbolic, block_t, waves, chunks, device, resident) == many
+    tiles = 2 * waves * sms  # more token tiles than programs the GPU holds: one split over K
+    assert mhc_coefficients.k_splits(tiles * block_t, 64 * chunks, block_t, 64, waves, device)[0] == 1
+    assert mhc_coefficients.k_splits(symbolic, 64 * chunks, block_t, 64, waves, device) == (1, 64 * chunks)
 
 
 @given(

@@ -48,6 +48,7 @@ Partial sums are added in a fixed order afterwards: deterministic, no atomics.
 
 import functools
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -697,9 +698,10 @@ def coefficients_finish_config(n: int, few: bool) -> tuple[int, int, int]:
 
 def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> tuple[int, int]:
     """``(splits, k_split)``: about ``waves`` programs per SM over ``cdiv(T, block_t)`` token
-    tiles, each split ``k_split`` columns wide (a multiple of ``block_k``)."""
-    tiles, chunks = cdiv(T, block_t), cdiv(K, block_k)
-    splits = per_tile(tiles, waves, sm_count(device), chunks)
+    tiles, each split ``k_split`` columns wide (a multiple of ``block_k``). A symbolic token count
+    takes the rule for many tokens, where the token tiles alone fill the GPU: one split."""
+    chunks = cdiv(K, block_k)
+    splits = per_tile(cdiv(T, block_t), waves, sm_count(device), chunks) if type(T) is int else 1
     k_split = cdiv(chunks, splits) * block_k
     return cdiv(K, k_split), k_split
 
@@ -1092,8 +1094,15 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
     ``rounds(splits) * blocks per split``, the fewest on ties: a last round that is partly empty
     costs as much as a full one (``python -m bench.tune_mixing small-tokens-projection``).
     Otherwise about ``waves`` programs per SM.
+
+    A symbolic token count (a graph compiled for any count) takes the rule for many tokens, which
+    does not depend on the count: no cap, and the fewest rounds per token block.
     """
-    blocks, sms = cdiv(T, block_t), sm_count(device)
+    sms = sm_count(device)
+    if type(T) is not int:
+        most = per_tile(chunks, waves, sms, waves * sms)
+        return most if resident is None else _fewest_rounds_per_block(chunks, resident * sms, most)
+    blocks = cdiv(T, block_t)
     most = per_tile(chunks, waves, sms, blocks // MIN_SPLIT_BLOCKS)
     if resident is None:
         return most
@@ -1103,6 +1112,11 @@ def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident
 @functools.lru_cache(maxsize=256)
 def _fewest_rounds(blocks: int, chunks: int, slots: int, most: int) -> int:
     return min(range(1, most + 1), key=lambda s: (cdiv(chunks * s, slots) * cdiv(blocks, s), s))
+
+
+def _fewest_rounds_per_block(chunks: int, slots: int, most: int) -> int:
+    # _fewest_rounds as the token blocks grow: cdiv(blocks, s) -> blocks / s
+    return min(range(1, most + 1), key=lambda s: (Fraction(cdiv(chunks * s, slots), s), s))
 
 
 MIN_SPLIT_BLOCKS = 4
