@@ -66,6 +66,15 @@ def branch_output(out, shape, device):
     return out, rest
 
 
+def reference_pre_mix(x, h_pre):
+    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        # a broadcast sum: einsum's batched matmul of m = 1 has a far slower backward on CPUs
+        return (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
+    # 16-bit streams: the matmul accumulates in fp32 and rounds once, not every product
+    return einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
+
+
 def reference_post_mix(x, h_res, y, h_post):
     """The reference post-mix ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y`` in ``x``'s dtype (also
     the step that rebuilds streams on the reference path)."""
@@ -136,9 +145,7 @@ class Site:
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
         with reference_scope(plan, x, reference_post_mix):
             h_pre, h_post, h_res = self.source.reference(self, x)
-            # a weighted sum by broadcasting: einsum makes it a batched matmul of m = 1, whose
-            # backward is far slower on CPUs
-            x_in = (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
+            x_in = reference_pre_mix(x, h_pre)
         if schedule is not None and plan is None:
             schedule.begin(x, path)
         self._record(h_res)
