@@ -9,6 +9,7 @@ from torch import nn
 
 from mhc import _library
 from mhc.layer import sinkhorn
+from mhc.mixing_ops import post_mix, pre_mix
 from tests.site_stack import SiteStack
 
 pytestmark = [
@@ -128,6 +129,45 @@ def test_compiled_step_with_a_dynamic_token_count(dim):
         # at d = 4096 eager takes the small-token split over K and the graph the split of many
         # tokens: the same sums in another order, and the bias gradients cancel to near 0
         _assert_step_close(got, want, rtol=1e-4, atol=1e-5 if dim == 64 else 5e-5)
+
+
+def _cuda(*shape):
+    return torch.randn(*shape, device="cuda")
+
+
+def _post_mix_inputs(tokens):
+    return [_cuda(tokens, N, DIM), _cuda(tokens, DIM), _cuda(tokens, N).sigmoid(), _cuda(tokens, N, N).sigmoid()]
+
+
+# (op, its inputs at a token count): the public functional ops
+FUNCTIONAL_OPS = {
+    "sinkhorn": (lambda z: sinkhorn(z, iters=20), lambda t: [_cuda(t, N, N)]),
+    "implicit": (lambda z: sinkhorn(z, iters=20, backward="implicit"), lambda t: [_cuda(t, N, N)]),
+    "eps": (lambda z: sinkhorn(z, iters=20, eps=1e-6), lambda t: [_cuda(t, N, N)]),
+    "tiled": (lambda z: sinkhorn(z, iters=20), lambda t: [_cuda(t, 24, 24)]),
+    "pre_mix": (lambda x, h: pre_mix(x, h)[0], lambda t: [_cuda(t, N, DIM), _cuda(t, N).sigmoid()]),
+    "post_mix": (post_mix, _post_mix_inputs),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONAL_OPS))
+def test_functional_ops_under_dynamic_shapes(name):
+    """``torch.compile(dynamic=True)`` of each functional op, every size symbolic: the sizes that
+    pick a kernel's constexprs are specialised (guards), the token count is not, so a second count
+    reuses the graph. Values and every input's gradient match eager."""
+    fn, make = FUNCTIONAL_OPS[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    for tokens in (96, 200):
+        torch.manual_seed(tokens)
+        inputs = [t.requires_grad_() for t in make(tokens)]
+        want = fn(*inputs)
+        grad = torch.randn_like(want)
+        with torch.compiler.set_stance("fail_on_recompile" if tokens == 200 else "default"):
+            got = compiled(*inputs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_step_analyses_each_kernel_once(monkeypatch):

@@ -96,6 +96,23 @@ def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, 
     assert splits <= max(1, round(waves * sms / chunks))
 
 
+def test_sizes_that_pick_constexprs_are_specialised():
+    """A symbolic stream count or width becomes its value, with a guard in the graph; an int is
+    returned as it is."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    from mhc.kernels._launch import static
+
+    env = ShapeEnv()
+    source = ConstantSource("n")
+    symbol = env.create_symbol(4, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+    n = env.create_symintnode(symbol, hint=4, source=source)
+    assert static(7) == 7
+    assert type(static(n)) is int and static(n) == 4
+    assert env.guards  # the graph is specialised to n = 4
+
+
 @given(
     block_t=st.sampled_from([16, 64, 128]),
     waves=st.integers(1, 12),

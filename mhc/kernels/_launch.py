@@ -175,6 +175,13 @@ def launch_plan(configure):
     return cached
 
 
+def static(size) -> int:
+    """A size that picks a kernel's tiles or constexprs (streams, channels, matrix order), as an
+    int. A symbolic one (a graph traced with dynamic shapes) is specialised: the graph guards on its
+    value, as the kernel compiled for it requires. Token counts stay symbolic (:func:`per_size`)."""
+    return size if type(size) is int else int(size)
+
+
 def per_size(plan, tokens):
     """``plan`` (a :func:`launch_plan`), or the function it caches where the token count is symbolic
     (a graph traced for any count: a ``SymInt`` cannot key a cache)."""

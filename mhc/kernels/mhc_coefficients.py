@@ -57,7 +57,7 @@ import triton.language as tl
 
 from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count
+from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count, static
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -866,7 +866,7 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
     """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
     whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
     *lead, n, d = x.shape
-    T = math.prod(lead)
+    n, d, T = static(n), static(d), math.prod(lead)
     x = x.contiguous()
     x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
     p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
@@ -965,7 +965,7 @@ def per_token_outputs(T: int, n: int, device):
 def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
     """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
     the projection's gradient, the RMS term and per-program sums for the biases and gates."""
-    n, d = x.shape[-2:]
+    n, d = static(x.shape[-2]), static(x.shape[-1])
     T, M = math.prod(x.shape[:-2]), 2 * n + n * n
     f32 = dict(dtype=torch.float32, device=x.device)
     g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
@@ -1040,7 +1040,7 @@ def coefficients_bwd_packed(
     backward adds the first pass's per-program bias and gate sums into its per-split partial
     ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
     """
-    n, d = x.shape[-2:]
+    n, d = static(x.shape[-2]), static(x.shape[-1])
     T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
     x = x.contiguous()
     f32 = dict(dtype=torch.float32, device=x.device)

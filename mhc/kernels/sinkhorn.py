@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import launch, static
 from mhc.kernels._tiles import (
     MAX_N,
     TILED_MIN_N,
@@ -250,6 +250,7 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """
     T, n = check_matrices(logits, "logits", MAX_N)
     check_positive(iters, "iters")
+    n = static(n)
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_fwd(logits, iters)
     logits = logits.contiguous()
@@ -294,7 +295,7 @@ def sinkhorn_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> to
 def sinkhorn_bwd_unchecked(logits: torch.Tensor, grad_out: torch.Tensor, iters: int) -> torch.Tensor:
     """:func:`sinkhorn_bwd` without the argument checks (host time per launch), for autograd
     backwards: their saved tensors and incoming gradients are right by construction."""
-    T, n = logits.shape[0], logits.shape[-1]
+    T, n = logits.shape[0], static(logits.shape[-1])
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_bwd(logits, grad_out, iters)
     logits = logits.contiguous()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import launch, static
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, launch_config, reciprocal
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
@@ -198,7 +198,7 @@ def _meta(n: int, iters: int, fp64: bool):
 
 
 def _launch(kernel, inputs, output, T: int, n: int, iters: int, eps: float) -> None:
-    block_t, meta, key = _meta(n, iters, inputs[0].dtype == torch.float64)
+    block_t, meta, key = _meta(static(n), iters, inputs[0].dtype == torch.float64)
     launch(kernel, (cdiv(T, block_t),), inputs, (output,), (T, eps), meta, key)
 
 

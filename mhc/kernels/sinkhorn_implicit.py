@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_tensor
-from mhc.kernels._launch import launch
+from mhc.kernels._launch import launch, static
 from mhc.kernels._tiles import (
     MAX_N,
     TILED_MIN_N,
@@ -102,7 +102,7 @@ def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
 def sinkhorn_implicit_bwd_unchecked(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """:func:`sinkhorn_implicit_bwd` without the argument checks, as
     :func:`mhc.kernels.sinkhorn.sinkhorn_bwd_unchecked`."""
-    T, n = out.shape[0], out.shape[-1]
+    T, n = out.shape[0], static(out.shape[-1])
     if n >= TILED_MIN_N:
         return sinkhorn_tiled_implicit_bwd(out, grad_out)
     out = out.contiguous()

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import F32, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count
+from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count, static
 from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -530,7 +530,7 @@ def stream_mix_fwd_unchecked(x, w, y=None, b=None):
     """:func:`stream_mix_fwd` without the argument checks (host time per launch), for callers whose
     arguments are right by construction (:mod:`mhc.mixing_ops`' Functions); layouts still copied."""
     *lead, n, d = x.shape
-    T, n_out = math.prod(lead), w.shape[1]
+    n, d, T, n_out = static(n), static(d), math.prod(lead), static(w.shape[1])
     x = x.contiguous()
     out = torch.empty((*lead, n_out, d), dtype=x.dtype, device=x.device)
     if T == 0 or d == 0:
@@ -582,8 +582,8 @@ def stream_mix_bwd(
 
 def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=True):
     """:func:`stream_mix_bwd` without the argument checks, as :func:`stream_mix_fwd_unchecked`."""
-    n, d = x.shape[-2:]
-    T, n_out = math.prod(x.shape[:-2]), w.shape[1]
+    n, d = static(x.shape[-2]), static(x.shape[-1])
+    T, n_out = math.prod(x.shape[:-2]), static(w.shape[1])
     x = x.contiguous()
     grad_out = grad_out.contiguous()
     has_y = y is not None
