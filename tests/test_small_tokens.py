@@ -176,12 +176,10 @@ def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
     """The choices measured best on an H100 (n = 4: 3 resident programs per SM;
     ``tune_mixing.py small-tokens-projection``, dev/LOG.md)."""
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
-    block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
-        N, dim, torch.bfloat16, True, True, "tf32", "both"
-    )
-    assert resident == 3
-    chunks = N * -(-dim // block_d)
-    assert mhc_coefficients.token_splits(tokens, block_t, waves, chunks, torch.device(DEVICE), resident) == splits
+    device = torch.device(DEVICE)
+    ((part, plan),) = mhc_coefficients._projection_plan(N, dim, tokens, torch.bfloat16, True, True, device)
+    assert mhc_coefficients.resident_programs(plan.meta["maxnreg"], plan.meta["num_warps"]) == 3
+    assert part == "both" and plan.grid == (N * -(-dim // plan.meta["BLOCK_D"]), splits)
 
 
 @given(
@@ -278,7 +276,7 @@ def test_pre_mix_programs_cover_every_channel_once(tokens, mixers, h100_sms, mon
         forget_launch_plans()
         outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
     plan = mhc_coefficients._forward_plan(N, dim, tokens, 20, False, mhc_coefficients._split_bf16(x), x.device)
-    assert plan.finish_grid[1] == 1 + min(mixers, 3)  # a program per share: (3 / mixers rounded up) chunks
+    assert plan.finish.grid[1] == 1 + min(mixers, 3)  # a program per share: (3 / mixers rounded up) chunks
     for name, got, want in zip(FORWARD, outputs[SMALL_SPLIT], outputs[None]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
@@ -301,10 +299,10 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     monkeypatch.setattr(mhc_coefficients, "token_splits", lambda *args: 1)
     forget_launch_plans()
     single = backward()
-    block_t, block_d, (waves, resident), _, _ = mhc_coefficients._projection_meta(
-        N, DIM, x.dtype, False, False, "tf32", "both"
-    )
-    splits = token_splits(tokens, block_t, waves, N * -(-DIM // block_d), x.device, resident)
+    monkeypatch.setattr(mhc_coefficients, "token_splits", token_splits)
+    forget_launch_plans()
+    ((_, plan),) = mhc_coefficients._projection_plan(N, DIM, tokens, x.dtype, True, False, x.device)
+    splits = plan.grid[1]
     if tokens >= 449:
         assert splits > 1  # the partial dphi of several splits are added
     for name, got, want in zip(("dx", "dphi", "dbias_alpha"), chosen, single):

@@ -34,6 +34,7 @@ Inside a ``torch.library.triton_op``'s body (``mhc._library`` runs it under
 import contextlib
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -165,6 +166,16 @@ def _no_hook(hook) -> bool:
 # once per size and kept, it costs a dictionary lookup per launch instead of a few microseconds.
 
 _PLANS: list = []
+
+
+class LaunchPlan(NamedTuple):
+    """One launch of a kernel, worked out for a size: ``grid``, the meta-parameters ``meta``
+    (constexprs and compiler options) and ``key``, which names the compiled kernel ``meta`` selects
+    in :func:`launch`'s cache."""
+
+    grid: tuple
+    meta: dict
+    key: tuple
 
 
 def launch_plan(configure):

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count, static
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, per_tile, sm_count, static
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -625,15 +625,255 @@ def projection_bwd_kernel(
 # ------------------------------------------------------------------------------ launchers
 
 
-def _columns(n: int) -> dict:
-    """Tile widths of the ``[pre | post]`` and ``res`` column groups (``tl.dot`` needs >= 16)."""
-    return dict(N=n, NPP=max(16, next_pow2(2 * n)), NRES=max(16, next_pow2(n * n)))
+def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
+    """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens: the leading dims' product).
+
+    Returns ``(x_in [..., D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
+    ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
+    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, the gates ``alpha [3]`` (``a_pre,
+    a_post, a_res``) and the biases ``bias [M]`` (``[b_pre | b_post | vec(b_res)]``) in any float
+    dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
+    hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
+    """
+    check_streams(x, "x", MAX_STREAMS)
+    n, d = x.shape[-2:]
+    M = 2 * n + n * n
+    for name, t, shape in (("phi", phi, (n * d, M)), ("alpha", alpha, (3,)), ("bias", bias, (M,))):
+        check_tensor(t, name, shape, device=x.device)
+    check_positive(iters, "iters")
+    return coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
+
+
+def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
+    """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
+    whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
+    *lead, n, d = x.shape
+    n, d, T = static(n), static(d), math.prod(lead)
+    x = x.contiguous()
+    x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
+    p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
+    if T == 0:
+        return x_in, p, r, h_pre, h_post, z_res, h_res
+    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
+    outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
+    plan = per_size(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
+    main = plan.main
+    if plan.finish is None:
+        launch(
+            coefficients_fwd_kernel, main.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), main.meta, main.key
+        )
+        return outputs
+    partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
+    launch(projection_partial_kernel, main.grid, (x, phi), (partial,), (T, d, plan.k_split), main.meta, main.key)
+    finish = plan.finish
+    scalars = (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps)
+    launch(
+        coefficients_finish_kernel, finish.grid, (x, partial, alpha, bias), outputs, scalars, finish.meta, finish.key
+    )
+    return outputs
+
+
+def per_token_outputs(T: int, n: int, device):
+    """The fp32 per-token outputs of a coefficient forward: ``(p, r, h_pre, h_post, z_res, h_res)``."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (
+        torch.empty((T, 2 * n + n * n), **f32),
+        torch.empty((T,), **f32),
+        torch.empty((T, n), **f32),
+        torch.empty((T, n), **f32),
+        torch.empty((T, n, n), **f32),
+        torch.empty((T, n, n), **f32),
+    )
+
+
+def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
+    """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
+    the projection's gradient, the RMS term and per-program sums for the biases and gates."""
+    n, d = static(x.shape[-2]), static(x.shape[-1])
+    T, M = math.prod(x.shape[:-2]), 2 * n + n * n
+    f32 = dict(dtype=torch.float32, device=x.device)
+    g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
+    has_dh_pre = dh_pre is not None
+    plan = per_size(_grad_plan, T)(n, d, T, has_dh_pre, x.device)
+    partial_bias = torch.empty((plan.grid[0], M + 3), **f32)
+    inputs = (
+        x,
+        grad_x_in,
+        dh_pre.contiguous() if has_dh_pre else h_pre,
+        h_pre,
+        dh_post.contiguous(),
+        h_post,
+        dz_res.contiguous(),
+        p,
+        r,
+        alpha.contiguous(),
+    )
+    launch(coefficient_grad_kernel, plan.grid, inputs, (g, c, partial_bias), (T, d, hc_eps), plan.meta, plan.key)
+    return g, c, partial_bias
+
+
+def coefficients_bwd(
+    x,
+    phi,
+    alpha,
+    p,
+    r,
+    h_pre,
+    h_post,
+    dh_pre,
+    dh_post,
+    dz_res,
+    grad_x_in,
+    grad_x_acc=None,
+    hc_eps: float = 0.0,
+):
+    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
+    shaped like ``x [..., N, D]``.
+
+    ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
+    coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
+    ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
+    of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
+    d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
+    views of one tensor (:func:`coefficients_bwd_packed`).
+    """
+    dx, packed = coefficients_bwd_packed(
+        x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
+    )
+    dphi, dbias_alpha = packed.split_with_sizes((phi.numel(), packed.numel() - phi.numel()))
+    return dx, dphi.view(phi.shape), dbias_alpha
+
+
+def coefficients_bwd_packed(
+    x,
+    phi,
+    alpha,
+    p,
+    r,
+    h_pre,
+    h_post,
+    dh_pre,
+    dh_post,
+    dz_res,
+    grad_x_in,
+    grad_x_acc=None,
+    hc_eps: float = 0.0,
+):
+    """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
+    dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
+    backward adds the first pass's per-program bias and gate sums into its per-split partial
+    ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
+    """
+    n, d = static(x.shape[-2]), static(x.shape[-1])
+    T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
+    x = x.contiguous()
+    f32 = dict(dtype=torch.float32, device=x.device)
+    if T == 0:
+        return torch.zeros_like(x), torch.zeros((K * M + M + 3,), **f32)
+    grad_x_in = grad_x_in.contiguous()
+    p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
+    g, c, partial_bias = coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps)
+    dx = torch.empty_like(x)
+    accumulate = grad_x_acc is not None
+    phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
+    inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
+    for part, plan in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
+        splits = plan.grid[1]
+        if part != "dx":
+            partial = torch.empty((splits, K * M + M + 3), **f32)
+        outputs = (dx, partial if part != "dx" else dx)
+        scalars = (T, d, splits, partial_bias.shape[0])
+        launch(projection_bwd_kernel, plan.grid, inputs, outputs, scalars, plan.meta, plan.key)
+    return dx, partial.sum(0)
 
 
 def _split_bf16(x: torch.Tensor) -> bool:
     # Triton's interpreter multiplies bfloat16 tiles wrongly (numpy has no bfloat16): tf32x3
     # there, which it runs as fp32
     return x.dtype == torch.bfloat16 and x.is_cuda
+
+
+# ------------------------------------------------------------------------------ launch plans
+# One per launcher: its launches for a size (mhc.kernels._launch.LaunchPlan), worked out once per
+# size and kept (host time per launch). The tile rules they apply follow, each with its reason.
+
+
+class ForwardPlan(NamedTuple):
+    """The launches of a coefficient forward: ``main`` alone (``coefficients_fwd_kernel``, one
+    pass), or the split over ``K``: ``main`` (``projection_partial_kernel``, columns ``k_split``
+    wide) writes ``partial [splits, T, width]``, then ``finish`` (``coefficients_finish_kernel``,
+    ``mix_chunks`` channel chunks per pre-mix program)."""
+
+    main: LaunchPlan
+    finish: LaunchPlan | None = None
+    partial: tuple | None = None
+    k_split: int = 0
+    mix_chunks: int = 0
+
+
+@launch_plan
+def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16: bool, device) -> ForwardPlan:
+    sms, cols = sm_count(device), _columns(n)
+    sinkhorn = dict(NP=next_pow2(n), ITERS=iters, HAS_EPS=has_eps)
+    config = coefficients_split_config(n, d, T, sms)
+    if config is None:
+        block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
+        meta = dict(**cols, **sinkhorn, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k)
+        meta.update(num_warps=num_warps, num_stages=num_stages)
+        key = ("coefficients_fwd", n, iters, has_eps, split_bf16)
+        return ForwardPlan(LaunchPlan((cdiv(T, block_t),), meta, key))
+    block_t, block_k, num_warps, num_stages, waves = config
+    splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
+    meta = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k)
+    meta.update(num_warps=num_warps, num_stages=num_stages)
+    main = LaunchPlan((cdiv(T, block_t), splits), meta, ("projection_partial", config, n, split_bf16))
+    few = few_tokens(n, d, T, sms)
+    finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few)
+    meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, ROLES=few, num_warps=finish_warps)
+    tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_d)
+    if few:  # a program for the coefficients, then one per share of the chunks
+        mix_chunks = cdiv(chunks, pre_mix_programs(tiles, chunks, sms))
+        grid = (tiles, 1 + cdiv(chunks, mix_chunks))
+    else:
+        mix_chunks, grid = chunks, (tiles,)
+    finish = LaunchPlan(grid, meta, ("coefficients_finish", finish_config, n, iters, has_eps, few))
+    width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
+    return ForwardPlan(main, finish, (splits, T, width), k_split, mix_chunks)
+
+
+@launch_plan
+def _grad_plan(n: int, d: int, T: int, has_dh_pre: bool, device) -> LaunchPlan:
+    block_t, block_d, num_warps = config = coefficient_grad_config(n, d, T, sm_count(device))
+    meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+    return LaunchPlan((cdiv(T, block_t),), meta, ("coefficient_grad", n, d, has_dh_pre, config))
+
+
+@launch_plan
+def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
+    """``((part, LaunchPlan), ...)``: the projection backward's passes (:func:`projection_passes`),
+    each over a ``(channel chunks, token splits)`` grid."""
+    precision, plans = dx_precision(dtype, n), []
+    for part in projection_passes(n):
+        config = dphi_bwd_config if part == "dphi" else projection_bwd_config
+        block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
+        meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision)
+        meta.update(BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx")
+        meta.update(BLOCK_R=BIAS_TILE, NB=next_pow2(2 * n + n * n + 3), num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            meta.update(maxnreg=maxnreg)
+        chunks = n * cdiv(d, block_d)
+        splits = token_splits(T, block_t, waves, chunks, device, resident_programs(maxnreg, num_warps))
+        key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
+        plans.append((part, LaunchPlan((chunks, splits), meta, key)))
+    return tuple(plans)
+
+
+# ------------------------------------------------------------------------------ tile rules
+
+
+def _columns(n: int) -> dict:
+    """Tile widths of the ``[pre | post]`` and ``res`` column groups (``tl.dot`` needs >= 16)."""
+    return dict(N=n, NPP=max(16, next_pow2(2 * n)), NRES=max(16, next_pow2(n * n)))
 
 
 def dx_precision(dtype: torch.dtype, n: int) -> str:
@@ -706,88 +946,14 @@ def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> 
     return cdiv(K, k_split), k_split
 
 
-def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
-    token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
-    registers per thread (``None``: the compiler's choice)."""
-    limits = arch()
-    stages = min(3, limits.max_stages)
-    if n <= 4:
-        # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
-        # of them (faster than uncapped registers or 8 programs per SM at every d swept)
-        return 64, 64, 4, stages, 6, 168 if limits.register_caps else None
-    if n <= 8:
-        # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
-        # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
-        return 64, 64, 4, stages if dtype.itemsize <= 2 else 2, 6, None
-    return 16, 32, 4, 2, 4, None
+def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
+    """Pre-mix programs per token tile of the small-token finishing kernel: about
+    ``PRE_MIX_WAVES`` per SM over all tiles, at most one per channel chunk. One program per tile
+    keeps a few KiB of ``x`` in flight per SM, far from what an HBM GPU's bandwidth needs."""
+    return per_tile(tiles, PRE_MIX_WAVES, sms, chunks)
 
 
-def projection_passes(n: int) -> tuple[str, ...]:
-    """The launches of the projection backward: ``("both",)``, one pass writing ``dx`` and
-    ``dphi``; or ``("dx", "dphi")``, two passes over ``x`` where the ``dphi`` accumulators beside
-    the ``dx`` tiles spill (n = 5..8: res columns 32 or 64 wide)."""
-    return ("dx", "dphi") if 4 < n <= 8 else ("both",)
-
-
-def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
-    """``projection_bwd_config`` of the ``dphi`` pass of a split projection backward: 150
-    registers, no spills (the fastest of the n = 8 sweep). fp16 and fp32 streams take tf32x3
-    products on fp32 tiles, and fp32 ``(128, 128)`` tiles need more shared memory than a Hopper SM
-    has: ``(64, 64)``."""
-    wide = dtype == torch.bfloat16 and arch().max_stages >= 3  # 128 x 128 tiles in three stages
-    return (128, 128, 8, 3, 4, None) if wide else (64, 64, 4, 2, 4, None)
-
-
-@launch_plan
-def _fwd_meta(n: int, iters: int, has_eps: bool, split_bf16: bool):
-    block_t, block_k, num_warps, num_stages = coefficients_fwd_config(n)
-    meta = dict(
-        **_columns(n),
-        NP=next_pow2(n),
-        ITERS=iters,
-        HAS_EPS=has_eps,
-        SPLIT_BF16=split_bf16,
-        BLOCK_T=block_t,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return block_t, meta, ("coefficients_fwd", n, iters, has_eps, split_bf16)
-
-
-@launch_plan
-def _split_meta(config: tuple, few: bool, n: int, iters: int, has_eps: bool, split_bf16: bool):
-    """The launches of a forward split over ``K`` with tiles ``config`` (of
-    ``coefficients_split_config``); ``few``: the small-token split (``few_tokens``)."""
-    block_t, block_k, num_warps, num_stages, waves = config
-    cols = _columns(n)
-    partial = dict(
-        **cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
-    )
-    finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few)
-    finish = dict(
-        **cols,
-        NP=next_pow2(n),
-        ITERS=iters,
-        HAS_EPS=has_eps,
-        BLOCK_T=finish_t,
-        BLOCK_D=finish_d,
-        ROLES=few,
-        num_warps=finish_warps,
-    )
-    width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
-    return (
-        block_t,
-        block_k,
-        waves,
-        width,
-        partial,
-        ("projection_partial", config, n, split_bf16),
-        finish_t,
-        finish,
-        ("coefficients_finish", finish_config, n, iters, has_eps, few),
-    )
+PRE_MIX_WAVES = 4
 
 
 def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int, int]:
@@ -810,277 +976,43 @@ def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int,
 GRAD_WAVES = 2
 
 
-@launch_plan
-def _grad_plan(n: int, d: int, T: int, has_dh_pre: bool, device):
-    """``(grid, meta, key)`` of the coefficient-gradient launch, worked out once per size."""
-    block_t, block_d, num_warps = config = coefficient_grad_config(n, d, T, sm_count(device))
-    meta = dict(**_columns(n), HAS_DH_PRE=has_dh_pre, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
-    return (cdiv(T, block_t),), meta, ("coefficient_grad", n, d, has_dh_pre, config)
+def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
+    token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
+    registers per thread (``None``: the compiler's choice)."""
+    limits = arch()
+    stages = min(3, limits.max_stages)
+    if n <= 4:
+        # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
+        # of them (faster than uncapped registers or 8 programs per SM at every d swept)
+        return 64, 64, 4, stages, 6, 168 if limits.register_caps else None
+    if n <= 8:
+        # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
+        # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
+        return 64, 64, 4, stages if dtype.itemsize <= 2 else 2, 6, None
+    return 16, 32, 4, 2, 4, None
 
 
-@launch_plan
-def _projection_meta(n: int, d: int, dtype, accumulate: bool, split_bf16: bool, precision: str, part: str):
-    config = dphi_bwd_config if part == "dphi" else projection_bwd_config
-    block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
-    # programs an SM holds at once where the registers per thread are capped (64K registers per SM)
-    resident = None if maxnreg is None else 65536 // (maxnreg * 32 * num_warps)
-    meta = dict(
-        **_columns(n),
-        ACCUMULATE=accumulate,
-        SPLIT_BF16=split_bf16,
-        DX_PRECISION=precision,
-        BLOCK_T=block_t,
-        BLOCK_D=block_d,
-        DX=part != "dphi",
-        DPHI=part != "dx",
-        BLOCK_R=BIAS_TILE,
-        NB=next_pow2(2 * n + n * n + 3),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
-    )
-    key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
-    return block_t, block_d, (waves, resident), meta, key
+def resident_programs(maxnreg: int | None, num_warps: int) -> int | None:
+    """Programs an SM holds at once where the registers per thread are capped (64K registers per
+    SM), else ``None``: unknown."""
+    return None if maxnreg is None else 65536 // (maxnreg * 32 * num_warps)
 
 
-def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
-    """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens: the leading dims' product).
-
-    Returns ``(x_in [..., D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
-    ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
-    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, the gates ``alpha [3]`` (``a_pre,
-    a_post, a_res``) and the biases ``bias [M]`` (``[b_pre | b_post | vec(b_res)]``) in any float
-    dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
-    hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
-    """
-    check_streams(x, "x", MAX_STREAMS)
-    n, d = x.shape[-2:]
-    M = 2 * n + n * n
-    for name, t, shape in (("phi", phi, (n * d, M)), ("alpha", alpha, (3,)), ("bias", bias, (M,))):
-        check_tensor(t, name, shape, device=x.device)
-    check_positive(iters, "iters")
-    return coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
+def projection_passes(n: int) -> tuple[str, ...]:
+    """The launches of the projection backward: ``("both",)``, one pass writing ``dx`` and
+    ``dphi``; or ``("dx", "dphi")``, two passes over ``x`` where the ``dphi`` accumulators beside
+    the ``dx`` tiles spill (n = 5..8: res columns 32 or 64 wide)."""
+    return ("dx", "dphi") if 4 < n <= 8 else ("both",)
 
 
-def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
-    """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
-    whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
-    *lead, n, d = x.shape
-    n, d, T = static(n), static(d), math.prod(lead)
-    x = x.contiguous()
-    x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
-    p, r, h_pre, h_post, z_res, h_res = per_token_outputs(T, n, x.device)
-    if T == 0:
-        return x_in, p, r, h_pre, h_post, z_res, h_res
-    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
-    outputs = (x_in, p, r, h_pre, h_post, z_res, h_res)
-    plan = per_size(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
-    if plan.partial is None:
-        launch(
-            coefficients_fwd_kernel, plan.grid, (x, phi, alpha, bias), outputs, (T, d, eps, hc_eps), plan.meta, plan.key
-        )
-        return outputs
-    partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
-    launch(projection_partial_kernel, plan.grid, (x, phi), (partial,), (T, d, plan.k_split), plan.meta, plan.key)
-    launch(
-        coefficients_finish_kernel,
-        plan.finish_grid,
-        (x, partial, alpha, bias),
-        outputs,
-        (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps),
-        plan.finish_meta,
-        plan.finish_key,
-    )
-    return outputs
-
-
-class ForwardPlan(NamedTuple):
-    """The launches of a coefficient forward: one pass (``partial`` is ``None``), or the split over
-    ``K`` into ``partial [splits, T, width]`` followed by the finishing kernel."""
-
-    grid: tuple
-    meta: dict
-    key: tuple
-    partial: tuple | None = None
-    k_split: int = 0
-    finish_grid: tuple = ()
-    finish_meta: dict | None = None
-    finish_key: tuple = ()
-    mix_chunks: int = 0
-
-
-@launch_plan
-def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16: bool, device) -> ForwardPlan:
-    """The forward's configuration, worked out once per size (host time per launch)."""
-    sms = sm_count(device)
-    config = coefficients_split_config(n, d, T, sms)
-    if config is None:
-        block_t, meta, key = _fwd_meta(n, iters, has_eps, split_bf16)
-        return ForwardPlan((cdiv(T, block_t),), meta, key)
-    split = _split_meta(config, few_tokens(n, d, T, sms), n, iters, has_eps, split_bf16)
-    block_t, block_k, waves, width, meta, key, finish_t, finish_meta, finish_key = split
-    splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
-    tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_meta["BLOCK_D"])
-    if finish_meta["ROLES"]:  # a program for the coefficients, then one per share of the chunks
-        mix_chunks = cdiv(chunks, pre_mix_programs(tiles, chunks, sms))
-        finish_grid = (tiles, 1 + cdiv(chunks, mix_chunks))
-    else:
-        mix_chunks, finish_grid = chunks, (tiles,)
-    return ForwardPlan(
-        (cdiv(T, block_t), splits),
-        meta,
-        key,
-        (splits, T, width),
-        k_split,
-        finish_grid,
-        finish_meta,
-        finish_key,
-        mix_chunks,
-    )
-
-
-def pre_mix_programs(tiles: int, chunks: int, sms: int) -> int:
-    """Pre-mix programs per token tile of the small-token finishing kernel: about
-    ``PRE_MIX_WAVES`` per SM over all tiles, at most one per channel chunk. One program per tile
-    keeps a few KiB of ``x`` in flight per SM, far from what an HBM GPU's bandwidth needs."""
-    return per_tile(tiles, PRE_MIX_WAVES, sms, chunks)
-
-
-PRE_MIX_WAVES = 4
-
-
-def per_token_outputs(T: int, n: int, device):
-    """The fp32 per-token outputs of a coefficient forward: ``(p, r, h_pre, h_post, z_res, h_res)``."""
-    f32 = dict(dtype=torch.float32, device=device)
-    return (
-        torch.empty((T, 2 * n + n * n), **f32),
-        torch.empty((T,), **f32),
-        torch.empty((T, n), **f32),
-        torch.empty((T, n), **f32),
-        torch.empty((T, n, n), **f32),
-        torch.empty((T, n, n), **f32),
-    )
-
-
-def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
-    """First pass of the coefficient backward: ``(g [T, M], c [T], partial_bias [programs, M + 3])``,
-    the projection's gradient, the RMS term and per-program sums for the biases and gates."""
-    n, d = static(x.shape[-2]), static(x.shape[-1])
-    T, M = math.prod(x.shape[:-2]), 2 * n + n * n
-    f32 = dict(dtype=torch.float32, device=x.device)
-    g, c = torch.empty((T, M), **f32), torch.empty((T,), **f32)
-    has_dh_pre = dh_pre is not None
-    grid, meta, key = per_size(_grad_plan, T)(n, d, T, has_dh_pre, x.device)
-    partial_bias = torch.empty((grid[0], M + 3), **f32)
-    inputs = (
-        x,
-        grad_x_in,
-        dh_pre.contiguous() if has_dh_pre else h_pre,
-        h_pre,
-        dh_post.contiguous(),
-        h_post,
-        dz_res.contiguous(),
-        p,
-        r,
-        alpha.contiguous(),
-    )
-    launch(coefficient_grad_kernel, grid, inputs, (g, c, partial_bias), (T, d, hc_eps), meta, key)
-    return g, c, partial_bias
-
-
-def coefficients_bwd(
-    x,
-    phi,
-    alpha,
-    p,
-    r,
-    h_pre,
-    h_post,
-    dh_pre,
-    dh_post,
-    dz_res,
-    grad_x_in,
-    grad_x_acc=None,
-    hc_eps: float = 0.0,
-):
-    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
-    shaped like ``x [..., N, D]``.
-
-    ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
-    coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
-    ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
-    of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
-    d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
-    views of one tensor (:func:`coefficients_bwd_packed`).
-    """
-    dx, packed = coefficients_bwd_packed(
-        x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
-    )
-    dphi, dbias_alpha = packed.split_with_sizes((phi.numel(), packed.numel() - phi.numel()))
-    return dx, dphi.view(phi.shape), dbias_alpha
-
-
-def coefficients_bwd_packed(
-    x,
-    phi,
-    alpha,
-    p,
-    r,
-    h_pre,
-    h_post,
-    dh_pre,
-    dh_post,
-    dz_res,
-    grad_x_in,
-    grad_x_acc=None,
-    hc_eps: float = 0.0,
-):
-    """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
-    dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
-    backward adds the first pass's per-program bias and gate sums into its per-split partial
-    ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
-    """
-    n, d = static(x.shape[-2]), static(x.shape[-1])
-    T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
-    x = x.contiguous()
-    f32 = dict(dtype=torch.float32, device=x.device)
-    if T == 0:
-        return torch.zeros_like(x), torch.zeros((K * M + M + 3,), **f32)
-    grad_x_in = grad_x_in.contiguous()
-    p, r, h_pre, h_post = p.contiguous(), r.contiguous(), h_pre.contiguous(), h_post.contiguous()
-    g, c, partial_bias = coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps)
-    dx = torch.empty_like(x)
-    accumulate = grad_x_acc is not None
-    phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
-    inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
-    for part, grid, meta, key in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
-        if part != "dx":
-            partial = torch.empty((grid[1], K * M + M + 3), **f32)
-        launch(
-            projection_bwd_kernel,
-            grid,
-            inputs,
-            (dx, partial if part != "dx" else dx),
-            (T, d, grid[1], partial_bias.shape[0]),
-            meta,
-            key,
-        )
-    return dx, partial.sum(0)
-
-
-@launch_plan
-def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
-    """The projection backward's launches, ``((part, grid (chunks, token splits), meta, key), ...)``,
-    worked out once per size (host time per launch)."""
-    precision = dx_precision(dtype, n)
-    plan = []
-    for part in projection_passes(n):
-        block_t, block_d, (waves, resident), meta, key = _projection_meta(
-            n, d, dtype, accumulate, split_bf16, precision, part
-        )
-        chunks = n * cdiv(d, block_d)
-        plan.append((part, (chunks, token_splits(T, block_t, waves, chunks, device, resident)), meta, key))
-    return tuple(plan)
+def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
+    """``projection_bwd_config`` of the ``dphi`` pass of a split projection backward: 150
+    registers, no spills (the fastest of the n = 8 sweep). fp16 and fp32 streams take tf32x3
+    products on fp32 tiles, and fp32 ``(128, 128)`` tiles need more shared memory than a Hopper SM
+    has: ``(64, 64)``."""
+    wide = dtype == torch.bfloat16 and arch().max_stages >= 3  # 128 x 128 tiles in three stages
+    return (128, 128, 8, 3, 4, None) if wide else (64, 64, 4, 2, 4, None)
 
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
@@ -1120,4 +1052,6 @@ def _fewest_rounds_per_block(chunks: int, slots: int, most: int) -> int:
 
 
 MIN_SPLIT_BLOCKS = 4
+
+
 BIAS_TILE = 64  # rows of the per-program bias sums that a dphi program adds at a time
