@@ -96,6 +96,22 @@ def test_token_splits_hold_at_least_four_blocks(tokens, block_t, waves, chunks, 
     assert splits <= max(1, round(waves * sms / chunks))
 
 
+@pytest.mark.parametrize("n, d", [(4, 1024), (4, 4096), (8, 1024), (12, 256)])
+def test_launch_plans_take_a_symbolic_token_count_without_a_guard(n, d):
+    """Every coefficient launch plan, worked out for a graph that serves any token count (an
+    unbacked count raises on any guard): grids in the count, the rest ints."""
+    tokens, device = ShapeEnv().create_unbacked_symint(), torch.device(DEVICE)
+    plan = mhc_coefficients._forward_plan.__wrapped__(n, d, tokens, 20, False, False, device)
+    launches = [plan.main] + ([plan.finish] if plan.finish else [])
+    launches.append(mhc_coefficients._grad_plan.__wrapped__(n, d, tokens, True, device))
+    projection = mhc_coefficients._projection_plan.__wrapped__
+    for dtype in (torch.bfloat16, torch.float32):
+        launches += [p for _, p in projection(n, d, tokens, dtype, True, False, device)]
+    for launch in launches:
+        assert all(type(v) is not torch.SymInt for v in launch.meta.values()), launch.key
+    assert all(type(g) is int for g in launches[-1].grid)  # the projection: chunks and token splits
+
+
 def test_sizes_that_pick_constexprs_are_specialised():
     """A symbolic stream count or width becomes its value, with a guard in the graph; an int is
     returned as it is."""
