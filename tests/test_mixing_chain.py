@@ -17,6 +17,7 @@ from torch import nn
 from mhc import mixing_ops
 from mhc.mixing import HyperConnection, collect_h_res
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
+from tests.site_stack import through_sites
 from tests.test_mixing_fused import Branch
 
 
@@ -216,12 +217,7 @@ def test_torch_compile_fullgraph_matches_eager():
     model = nn.ModuleList(sites)
 
     def forward(x):
-        x_in, finish = model[0].split(x)
-        for site, nxt in zip(model, list(model[1:]) + [None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                return finish(y)
-            x_in, finish = finish(y, next=nxt)
+        return through_sites(model, x, chain=True)
 
     want = run_chain(sites, x, grad, chained=True)
     compiled = torch.compile(forward, fullgraph=True)
