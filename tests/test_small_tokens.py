@@ -387,7 +387,8 @@ def test_the_mix_backward_grid_covers_every_chunk_once(tokens, splits, monkeypat
     monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, t, s: splits)
     forget_launch_plans()
     for d in (1, 256, 257, 4096, 5000):
-        grid, split_chunks, meta, _ = stream_mix._bwd_plan(4, 4, d, tokens, True, True, False, torch.device(DEVICE))
+        plan, split_chunks = stream_mix._bwd_plan(4, 4, d, tokens, True, True, False, torch.device(DEVICE))
+        grid, meta = plan.grid, plan.meta
         chunks = -(-d // meta["BLOCK_D"])
         assert grid[0] * meta["BLOCK_T"] >= tokens > (grid[0] - 1) * meta["BLOCK_T"]
         assert (grid[1] - 1) * split_chunks < chunks <= grid[1] * split_chunks  # no range empty, none missing
@@ -436,7 +437,7 @@ def test_mix_backward_splits_of_d_agree_with_one_range(tokens, n, n_out, with_y,
     for splits in MIX_RANGES:
         monkeypatch.setattr(stream_mix, "bwd_d_splits", lambda n, n_out, d, t, s, splits=splits: splits)
         forget_launch_plans()
-        grid = stream_mix._bwd_plan(n, n_out, MIX_DIM, tokens, with_y, True, with_acc, x.device)[0]
+        grid = stream_mix._bwd_plan(n, n_out, MIX_DIM, tokens, with_y, True, with_acc, x.device)[0].grid
         assert grid[1] == min(splits, -(-MIX_DIM // stream_mix._bwd_config(n, n_out, MIX_DIM)[1]))
         results[splits] = stream_mix.stream_mix_bwd(x, w, y, b, dout, dx_acc)
     names = ("dx", "dy", "dw", "db")

@@ -11,14 +11,12 @@ them); longer runs are split into segments, each recomputed from the start. Noth
 is saved between forward and backward. ``docs/sinkhorn.md`` derives the recursion.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import launch, static
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, static
 from mhc.kernels._tiles import (
     MAX_N,
     TILED_MIN_N,
@@ -257,23 +255,25 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     out = torch.empty_like(logits)
     if T == 0:
         return out
-    block_t, meta, key = _fwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_fwd_kernel, (cdiv(T, block_t),), (logits,), (out,), (T,), meta, key)
+    plan = per_size(_fwd_plan, T)(n, iters, logits.dtype == torch.float64, T)
+    launch(sinkhorn_fwd_kernel, plan.grid, (logits,), (out,), (T,), plan.meta, plan.key)
     return out
 
 
-@functools.cache
-def _fwd_meta(n: int, iters: int, fp64: bool):
+@launch_plan
+def _fwd_plan(n: int, iters: int, fp64: bool, T) -> LaunchPlan:
+    """A program per ``BLOCK_T`` matrices (:func:`mhc.kernels._tiles.launch_config`)."""
     np2, block_t, num_warps = launch_config(n, min(FWD_VALUES_PER_THREAD, n * next_pow2(n)))
     meta = dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
-    return block_t, meta, ("sinkhorn_fwd", n, iters, fp64)
+    return LaunchPlan((cdiv(T, block_t),), meta, ("sinkhorn_fwd", n, iters, fp64))
 
 
-@functools.cache
-def _bwd_meta(n: int, iters: int, fp64: bool):
+@launch_plan
+def _bwd_plan(n: int, iters: int, fp64: bool, T) -> LaunchPlan:
+    """As :func:`_fwd_plan`, with the backward's segments (:func:`backward_schedule`)."""
     np2, block_t, num_warps = launch_config(n, BWD_VALUES_PER_THREAD)
     meta = dict(**backward_schedule(iters, n), N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
-    return block_t, meta, ("sinkhorn_bwd", n, iters, fp64)
+    return LaunchPlan((cdiv(T, block_t),), meta, ("sinkhorn_bwd", n, iters, fp64))
 
 
 def backward_schedule(iters: int, n: int) -> dict:
@@ -303,6 +303,6 @@ def sinkhorn_bwd_unchecked(logits: torch.Tensor, grad_out: torch.Tensor, iters: 
     grad_in = torch.empty_like(logits)
     if T == 0:
         return grad_in
-    block_t, meta, key = _bwd_meta(n, iters, logits.dtype == torch.float64)
-    launch(sinkhorn_bwd_kernel, (cdiv(T, block_t),), (logits, grad_out), (grad_in,), (T,), meta, key)
+    plan = per_size(_bwd_plan, T)(n, iters, logits.dtype == torch.float64, T)
+    launch(sinkhorn_bwd_kernel, plan.grid, (logits, grad_out), (grad_in,), (T,), plan.meta, plan.key)
     return grad_in

@@ -14,14 +14,12 @@ Layout as in ``sinkhorn.py``: a program owns ``BLOCK_T`` matrices held as ``N`` 
 ``[BLOCK_T, NP]``; ``u`` is ``N`` values ``[BLOCK_T, 1]``, ``v`` one ``[BLOCK_T, NP]``.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import launch, static
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, static
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, launch_config, reciprocal
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
@@ -191,15 +189,18 @@ def sinkhorn_eps_bwd_kernel(
     _store_rows(dx_ptr, offs, m, sinkhorn_eps_rows_bwd(x, g, eps, ITERS, N, NP, BLOCK_T), N)
 
 
-@functools.cache
-def _meta(n: int, iters: int, fp64: bool):
+@launch_plan
+def _plan(n: int, iters: int, fp64: bool, T) -> LaunchPlan:
+    """A program per ``BLOCK_T`` matrices, forward and backward alike (the key leaves out the
+    kernel, which :func:`mhc.kernels._launch.launch` keys on anyway)."""
     np2, block_t, num_warps = launch_config(n, VALUES_PER_THREAD)
-    return block_t, dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps), (n, iters, fp64)
+    meta = dict(ITERS=iters, N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
+    return LaunchPlan((cdiv(T, block_t),), meta, (n, iters, fp64))
 
 
 def _launch(kernel, inputs, output, T: int, n: int, iters: int, eps: float) -> None:
-    block_t, meta, key = _meta(static(n), iters, inputs[0].dtype == torch.float64)
-    launch(kernel, (cdiv(T, block_t),), inputs, (output,), (T, eps), meta, key)
+    plan = per_size(_plan, T)(static(n), iters, inputs[0].dtype == torch.float64, T)
+    launch(kernel, plan.grid, inputs, (output,), (T, eps), plan.meta, plan.key)
 
 
 def sinkhorn_eps_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

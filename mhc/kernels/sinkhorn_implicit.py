@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_tensor
-from mhc.kernels._launch import launch, static
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, static
 from mhc.kernels._tiles import (
     MAX_N,
     TILED_MIN_N,
@@ -110,16 +110,14 @@ def sinkhorn_implicit_bwd_unchecked(out: torch.Tensor, grad_out: torch.Tensor) -
     grad_in = torch.empty_like(out)
     if T == 0:
         return grad_in
-    fp64 = out.dtype == torch.float64
+    plan = per_size(_plan, T)(n, out.dtype == torch.float64, T)
+    launch(sinkhorn_implicit_bwd_kernel, plan.grid, (out, grad_out), (grad_in,), (T,), plan.meta, plan.key)
+    return grad_in
+
+
+@launch_plan
+def _plan(n: int, fp64: bool, T) -> LaunchPlan:
+    """A program per ``BLOCK_T`` matrices (:func:`mhc.kernels._tiles.launch_config`)."""
     np2, block_t, num_warps = launch_config(n, IMPLICIT_VALUES_PER_THREAD)
     meta = dict(N=n, NP=np2, BLOCK_T=block_t, FP64=fp64, num_warps=num_warps)
-    launch(
-        sinkhorn_implicit_bwd_kernel,
-        (cdiv(T, block_t),),
-        (out, grad_out),
-        (grad_in,),
-        (T,),
-        meta,
-        ("sinkhorn_implicit_bwd", n, fp64),
-    )
-    return grad_in
+    return LaunchPlan((cdiv(T, block_t),), meta, ("sinkhorn_implicit_bwd", n, fp64))

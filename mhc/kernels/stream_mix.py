@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._checks import F32, check_streams, check_tensor
-from mhc.kernels._launch import launch, launch_plan, per_size, per_tile, sm_count, static
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, per_tile, sm_count, static
 from mhc.kernels._tiles import cdiv, next_pow2
 
 MAX_STREAMS = 16  # streams are unrolled per program: code size grows with N * N_OUT
@@ -422,11 +422,11 @@ def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
 
 
 @launch_plan
-def _fwd_meta(n: int, n_out: int, d: int, has_y: bool):
-    """``(BLOCK_T, BLOCK_D, meta, meta key)`` of the forward launch: one per configuration."""
+def _fwd_plan(n: int, n_out: int, d: int, has_y: bool, T) -> LaunchPlan:
+    """A program per tile of ``BLOCK_T`` tokens and ``BLOCK_D`` channels (:func:`_fwd_config`)."""
     block_t, block_d = _fwd_config(n, d)
     meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
-    return block_t, block_d, meta, ("fwd", n, n_out, d, has_y)
+    return LaunchPlan((cdiv(T, block_t), cdiv(d, block_d)), meta, ("fwd", n, n_out, d, has_y))
 
 
 # Where tokens are few the backward's programs are few too (256 at d = 4096 and 1k tokens): D is
@@ -459,9 +459,9 @@ def bwd_d_splits(n: int, n_out: int, d: int, tokens, sms: int) -> int:
 
 
 @launch_plan
-def _bwd_plan(n: int, n_out: int, d: int, T: int, has_y: bool, need_grad_x: bool, accumulate: bool, device):
-    """``(grid, split_chunks, meta, meta key)`` of the backward launch: a program per token tile and
-    range of ``split_chunks`` channel chunks (``grid[1]`` ranges; one: all of ``D``)."""
+def _bwd_plan(n: int, n_out: int, d: int, T, has_y: bool, need_grad_x: bool, accumulate: bool, device):
+    """``(LaunchPlan, split_chunks)`` of the backward: a program per token tile and range of
+    ``split_chunks`` channel chunks (``grid[1]`` ranges; one: all of ``D``)."""
     block_t, block_d, num_warps = _bwd_config(n, n_out, d)
     chunks = cdiv(d, block_d)
     split_chunks = max(1, cdiv(chunks, bwd_d_splits(n, n_out, d, T, sm_count(device))))
@@ -477,7 +477,8 @@ def _bwd_plan(n: int, n_out: int, d: int, T: int, has_y: bool, need_grad_x: bool
         num_warps=num_warps,
     )
     grid = (cdiv(T, block_t), max(1, cdiv(chunks, split_chunks)))
-    return grid, split_chunks, meta, ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
+    key = ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
+    return LaunchPlan(grid, meta, key), split_chunks
 
 
 def _per_token(c: torch.Tensor | None, per_token: int):
@@ -540,16 +541,9 @@ def stream_mix_fwd_unchecked(x, w, y=None, b=None):
         y = y.contiguous()
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
-    block_t, block_d, meta, key = _fwd_meta(n, n_out, d, has_y)
-    launch(
-        stream_mix_fwd_kernel,
-        (cdiv(T, block_t), cdiv(d, block_d)),
-        (x, y if has_y else x, w, b if has_y else w),
-        (out,),
-        (T, d, stride_w, stride_b),
-        meta,
-        key,
-    )
+    grid, meta, key = per_size(_fwd_plan, T)(n, n_out, d, has_y, T)  # a LaunchPlan
+    inputs = (x, y if has_y else x, w, b if has_y else w)
+    launch(stream_mix_fwd_kernel, grid, inputs, (out,), (T, d, stride_w, stride_b), meta, key)
     return out
 
 
@@ -599,7 +593,7 @@ def stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc=None, need_grad_x=
         return dx, dy, torch.empty((T, n_out, n), **f32), torch.empty((T, n_out), **f32) if has_y else None
     w, stride_w = _per_token(w, n_out * n)
     b, stride_b = _per_token(b, n_out)
-    grid, split_chunks, meta, key = per_size(_bwd_plan, T)(n, n_out, d, T, has_y, need_grad_x, accumulate, x.device)
+    (grid, meta, key), split_chunks = per_size(_bwd_plan, T)(n, n_out, d, T, has_y, need_grad_x, accumulate, x.device)
     splits = grid[1]
     parts = (splits,) if splits > 1 else ()
     dw = torch.empty((*parts, T, n_out, n), **f32)
@@ -617,8 +611,8 @@ SUM_TOKENS = 64  # tokens per program of the partial sums
 
 
 @launch_plan
-def _sums_meta(n: int, n_out: int, has_b: bool):
-    """``(meta, meta key)`` of the partial sums' launch: one per configuration."""
+def _sums_plan(n: int, n_out: int, has_b: bool, T) -> LaunchPlan:
+    """A program per ``SUM_TOKENS`` tokens."""
     meta = dict(
         W=n_out * n,
         WP=next_pow2(n_out * n),
@@ -627,7 +621,7 @@ def _sums_meta(n: int, n_out: int, has_b: bool):
         BLOCK_T=SUM_TOKENS,
         num_warps=4,
     )
-    return meta, ("sums", n_out, n, has_b)
+    return LaunchPlan((cdiv(T, SUM_TOKENS),), meta, ("sums", n_out, n, has_b))
 
 
 def _add_partial_sums(dw_parts, db_parts):
@@ -637,14 +631,7 @@ def _add_partial_sums(dw_parts, db_parts):
     has_b = db_parts is not None
     dw = torch.empty((T, n_out, n), dtype=torch.float32, device=dw_parts.device)
     db = torch.empty((T, n_out), dtype=torch.float32, device=dw_parts.device) if has_b else None
-    meta, key = _sums_meta(n, n_out, has_b)
-    launch(
-        partial_sums_kernel,
-        (cdiv(T, SUM_TOKENS),),
-        (dw_parts, db_parts if has_b else dw_parts),
-        (dw, db if has_b else dw_parts),
-        (T, splits),
-        meta,
-        key,
-    )
+    plan = _sums_plan(n, n_out, has_b, T)  # T is an int: D is split only then
+    inputs, outputs = (dw_parts, db_parts if has_b else dw_parts), (dw, db if has_b else dw_parts)
+    launch(partial_sums_kernel, plan.grid, inputs, outputs, (T, splits), plan.meta, plan.key)
     return dw, db
