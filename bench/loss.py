@@ -2,7 +2,7 @@
 
     python -m bench.loss --out results/loss.csv           # on a CUDA GPU
     python -m bench.loss --options --tokens 8192         # LM-training extras on
-    python -m bench.loss --sweep                         # tile shapes of mhc's kernels
+    python -m bench.loss --sweep [--write]               # tile shapes of mhc's kernels
     python -m bench.loss --profile                       # idle gaps of mhc's step
 
 Forward+backward of ``loss = CE(x @ W^T, target)`` (mean), bf16 ``x [N, D]`` and ``W [V, D]``, random
@@ -150,9 +150,10 @@ def run(out_path, tokens=TOKENS, only=None, shapes=SHAPES, options=False):
     return rows
 
 
-def sweep(n=8192, d=4096, v=128256):
+def sweep(n=8192, d=4096, v=128256, write=False):
     """Time mhc's passes for each tile shape in a short list (16-bit inputs), and the two logits
-    passes with the soft-cap and label smoothing on."""
+    passes with the soft-cap and label smoothing on; ``write``: the fastest tile of the forward and
+    of the logits' gradient into this GPU's row of ``mhc/kernels/tables``."""
     from triton.testing import do_bench
 
     import mhc.kernels.linear_cross_entropy as lce
@@ -179,16 +180,23 @@ def sweep(n=8192, d=4096, v=128256):
         (128, 128, 64, 8, 4),
     ]
     tuned = lce._tiles
+    timed = {"lse": [], "grad_logits": []}
     for tiles in logits_tiles:
         lce._tiles = lambda x, tiles=tiles: {**tuned(x), "lse": tiles, "grad_logits": tiles}
         try:
-            print(
-                f"logits tiles {tiles}: lse forward {forward():.2f} ms, G for all V {backward(False, False):.2f} ms",
-                flush=True,
-            )
+            fwd_ms, g_ms = forward(), backward(False, False)
         except Exception as e:
             print(f"logits tiles {tiles}: failed {type(e).__name__}: {e}"[:300])
+            continue
+        print(f"logits tiles {tiles}: lse forward {fwd_ms:.2f} ms, G for all V {g_ms:.2f} ms", flush=True)
+        timed["lse"].append((fwd_ms, tiles))
+        timed["grad_logits"].append((g_ms, tiles))
     lce._tiles = tuned
+    if write and timed["lse"]:
+        from mhc.kernels import _arch
+
+        path = _arch.write_tuned("loss_tiles_16bit", {k: min(v)[1] for k, v in timed.items()})
+        print(f"wrote the lse and grad_logits tiles ({_arch.arch().name}) to {path}", flush=True)
     base = backward(False, False)
     dx_ms = backward(True, False) - base
     dw_ms = backward(False, True) - base
@@ -261,6 +269,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="", help="CSV path for the table")
     p.add_argument("--sweep", action="store_true", help="time tile shapes of mhc's kernels instead")
+    p.add_argument("--write", action="store_true", help="with --sweep: write the fastest tiles into the table")
     p.add_argument(
         "--profile", action="store_true", help="kernel time against step time and the idle gaps of mhc's step instead"
     )
@@ -275,7 +284,7 @@ def main(argv=None):
         sys.exit("bench.loss needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.sweep:
-        sweep(n=args.tokens[0] if args.tokens != TOKENS else 8192)
+        sweep(n=args.tokens[0] if args.tokens != TOKENS else 8192, write=args.write)
     elif args.profile:
         profile(n=args.tokens[0] if args.tokens != TOKENS else 8192)
     else:

@@ -1,12 +1,13 @@
 """Development tool for the Sinkhorn kernels on a CUDA GPU (one run, one table per section).
 
-    python -m bench.tune_sinkhorn [tiles | tiles=bwd,implicit[:FILE]] [layout] [ir] [compile]
+    python -m bench.tune_sinkhorn [tiles | tiles=bwd,implicit[:FILE]] [--write[=PATH]] [layout] [ir] [compile]
 
 - ``tiles``: the tiled kernels' ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` over a grid of
   choices (``candidates``, or the ones a JSON-lines FILE lists), per ``NP`` class (n = 8, 16, 32,
   64) at 256 MiB of fp32 logits, 20 iterations; each row is one kernel's median time
   (``do_bench``) against the clone of the logits, with its registers and spills; ``*`` marks the
-  configuration in the source;
+  configuration in the table; ``--write`` writes each swept class's fastest into this GPU's row of
+  ``mhc/kernels/tables`` (``--write=PATH``: a copy of the row with them, elsewhere);
 - ``layout``: per-row kernels (``sinkhorn.py``) against the tiled ones at n = 4..16, with the
   configurations in the source: where the ``TILED_MIN_N`` switch belongs;
 - ``ir``: registers, spills and layout conversions of each tiled kernel per n, as compiled;
@@ -26,7 +27,8 @@ import time
 import torch
 
 from mhc import kernels
-from mhc.kernels import _tiles, sinkhorn, sinkhorn_implicit, sinkhorn_tiled
+from mhc.kernels import _arch, _tiles, sinkhorn, sinkhorn_implicit, sinkhorn_tiled
+from mhc.kernels._launch import forget_launch_plans
 
 ITERS = 20
 
@@ -43,7 +45,7 @@ def _ms(fn) -> float:
 
 
 def candidates(np2: int, kind: str):
-    """Configurations ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` of ``TILED_CONFIGS`` with 8
+    """Configurations ``(BLOCK_T, RI, num_warps[, SEG, RECOMPUTE_R1])`` of the tiles table with 8
     to 128 (forward) or 64 (backward) tile entries per thread."""
     for warps in (1, 2, 4):
         for block_t in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -63,9 +65,10 @@ def _compiled(kernel):
     return [c for cache in kernel.device_caches.values() for c in cache[0].values()][-1]
 
 
-def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
+def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None, write: str | bool = False):
     """Time every configuration of ``candidates`` per NP class, or those listed in a JSON-lines
-    file (``{"np": 64, "kind": "fwd", "cfg": [1, 4, 1]}`` per line, e.g. from a compile sweep)."""
+    file (``{"np": 64, "kind": "fwd", "cfg": [1, 4, 1]}`` per line, e.g. from a compile sweep);
+    ``write``: the fastest of each swept class into the table (a path: a copy of it there)."""
     chosen = None
     if listed:
         chosen = {}
@@ -73,13 +76,15 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
             for line in f:
                 row = json.loads(line)
                 chosen.setdefault((row["np"], row["kind"]), []).append(tuple(row["cfg"]))
+    table = _arch.tuned(sinkhorn_tiled.TABLE)  # the launchers read this dict: swept in place
+    winners = {}
     for n in (8, 16, 32, 64):
         x = _logits(n)
         g = torch.randn_like(x)
         out = kernels.sinkhorn_fwd(x, ITERS)
         clone = _ms(lambda: x.clone())
         print(f"\n# tiles n={n} T={x.shape[0]} clone {clone:.3f} ms", flush=True)
-        config = sinkhorn_tiled.TILED_CONFIGS[n]
+        config = table[str(n)]
         saved = dict(config)
         kinds = {
             "fwd": (lambda: sinkhorn_tiled.sinkhorn_tiled_fwd(x, ITERS), sinkhorn_tiled.sinkhorn_tiled_fwd_kernel),
@@ -90,12 +95,13 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
             ),
         }
         for kind, (call, kernel) in kinds.items():
-            if kind not in only.split(","):
-                continue
             cfgs = candidates(n, kind) if chosen is None else chosen.get((n, kind), [])
+            if kind not in only.split(",") or not cfgs:
+                continue
             results = []
             for cfg in dict.fromkeys([saved[kind], *cfgs]):
                 config[kind] = cfg
+                forget_launch_plans()
                 try:
                     ms = _ms(call)
                 except Exception as exc:  # noqa: BLE001 - a config may not compile
@@ -104,6 +110,7 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
                 c = _compiled(kernel)
                 results.append((ms, cfg, c.n_regs, c.n_spills))
             config[kind] = saved[kind]
+            forget_launch_plans()
             for ms, cfg, regs, spills in sorted(results)[:8]:
                 mark = "*" if cfg == saved[kind] else " "
                 print(
@@ -111,6 +118,10 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None):
                     f"regs {regs} spills {spills}",
                     flush=True,
                 )
+            winners.setdefault(str(n), dict(saved))[kind] = min(results)[1]
+    if write and winners:
+        path = _arch.write_tuned(sinkhorn_tiled.TABLE, winners, path=None if write is True else write)
+        print(f"\nwrote {sorted(winners)} of {sinkhorn_tiled.TABLE} ({_arch.arch().name}) to {path}", flush=True)
 
 
 def layout():
@@ -181,11 +192,13 @@ def compile_times():
 
 if __name__ == "__main__":
     args = sys.argv[1:] or ["layout"]
-    for arg in args:
+    writes = [a.partition("=")[2] or True for a in args if a.startswith("--write")]
+    write = writes[0] if writes else False
+    for arg in (a for a in args if not a.startswith("--write")):
         if arg.startswith("first-call="):
             _first_call(int(arg.split("=")[1]))
-        elif arg.startswith("tiles="):
-            kinds, _, listed = arg.split("=")[1].partition(":")
-            tiles(kinds, listed or None)
+        elif arg.startswith("tiles"):
+            kinds, _, listed = arg.partition("=")[2].partition(":")
+            tiles(kinds or "fwd,bwd,implicit", listed or None, write)
         else:
-            {"tiles": tiles, "layout": layout, "ir": ir, "compile": compile_times}[arg]()
+            {"layout": layout, "ir": ir, "compile": compile_times}[arg]()

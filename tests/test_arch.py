@@ -2,10 +2,13 @@
 launcher inside what any CUDA GPU Triton supports, ``MHC_ARCH`` picks a row, a bad value is an error.
 The kernels under the ``default`` row run on the GPU with ``MHC_ARCH=default`` (dev/LOG.md)."""
 
+import json
+
 import pytest
 import torch
 
-from mhc.kernels import _arch, linear_cross_entropy, mhc_coefficients
+from mhc.kernels import _arch, linear_cross_entropy, mhc_coefficients, sinkhorn_tiled
+from mhc.kernels._launch import forget_launch_plans
 
 
 @pytest.fixture
@@ -37,7 +40,7 @@ def test_default_row_stays_within_every_gpu(row, n, dtype):
     for config in _coefficient_configs(n, 4096, dtype):
         assert config[3] <= limits.max_stages, config
     assert mhc_coefficients.projection_bwd_config(n, 4096, dtype)[5] is None  # no register cap
-    for block_n, block_v, block_d, warps, stages in limits.loss_tiles_16bit:
+    for block_n, block_v, block_d, warps, stages in _arch.tuned("loss_tiles_16bit").values():
         assert stages <= limits.max_stages
         assert (block_n + block_v) * block_d * 2 * stages <= 100 * 1024  # 16-bit tiles in shared memory
 
@@ -58,3 +61,42 @@ def test_interpreter_takes_small_loss_tiles_whatever_the_row(row):
 def test_a_bad_row_name_is_an_error(row):
     with pytest.raises(ValueError, match="MHC_ARCH must be one of"):
         row("ampere")
+
+
+@pytest.mark.parametrize("name", sorted(_arch.ARCHS))
+def test_every_row_has_a_complete_table(name):
+    sinkhorn = _arch.tuned(sinkhorn_tiled.TABLE, name)
+    assert sorted(sinkhorn, key=int) == ["8", "16", "32", "64"]
+    for tiles in sinkhorn.values():
+        assert {k: len(v) for k, v in tiles.items()} == {"fwd": 3, "bwd": 5, "implicit": 3}
+    loss = _arch.tuned("loss_tiles_16bit", name)
+    assert sorted(loss) == sorted(linear_cross_entropy.TILES_16BIT)
+    assert all(type(tile) is tuple and len(tile) == 5 for tile in loss.values())  # hashable: plans cache on it
+
+
+def test_the_launch_plans_read_the_table_as_the_tuners_change_it(row):
+    row("hopper")
+    tiles = _arch.tuned(sinkhorn_tiled.TABLE)["16"]
+    saved = tiles["fwd"]
+    try:
+        for block_t, ri, warps in ((4, 1, 2), saved):
+            tiles["fwd"] = (block_t, ri, warps)  # as bench.tune_sinkhorn sweeps
+            forget_launch_plans()
+            plan = sinkhorn_tiled._plan("fwd", 12, 12, False, 1000)
+            assert (plan.meta["BLOCK_T"], plan.meta["RI"], plan.meta["num_warps"]) == (block_t, ri, warps)
+            assert plan.grid == (-(-1000 // block_t),)
+    finally:
+        tiles["fwd"] = saved
+
+
+def test_a_tuner_writes_its_winners_into_a_copy_of_the_row(row, tmp_path):
+    row("default")
+    before = _arch.tuned(sinkhorn_tiled.TABLE)
+    path = _arch.write_tuned(sinkhorn_tiled.TABLE, {"32": {**before["32"], "fwd": (4, 2, 2)}}, path=tmp_path / "t.json")
+    written = _arch._frozen(json.loads(path.read_text()))
+    assert written[sinkhorn_tiled.TABLE]["32"]["fwd"] == (4, 2, 2)
+    assert {k: v for k, v in written[sinkhorn_tiled.TABLE].items() if k != "32"} == {
+        k: v for k, v in before.items() if k != "32"
+    }
+    assert written["loss_tiles_16bit"] == _arch.tuned("loss_tiles_16bit")  # other sections kept
+    assert _arch.tuned(sinkhorn_tiled.TABLE)["32"]["fwd"] == before["32"]["fwd"]  # the package's row untouched

@@ -3,11 +3,15 @@
 The kernels' tile shapes are rules in their launchers (each with its reason); what those rules
 assume of the hardware is here, one row per architecture: how deep the software pipelining may go
 in shared memory, whether the register caps tuned on that architecture apply, whether tensor
-descriptors (Hopper's copy engine) are used, and the fused loss's tiles. ``hopper`` (H100, H200)
-is what the kernels were tuned on (``python -m bench.tune_mixing``, ``bench.tune_sinkhorn``,
+descriptors (Hopper's copy engine) are used. ``hopper`` (H100, H200) is what the kernels were
+tuned on (``python -m bench.tune_mixing``, ``bench.tune_sinkhorn``,
 ``bench.loss --sweep``; the measurements are in dev/LOG.md); ``default`` is a conservative row for
 any other CUDA GPU Triton supports (A100, consumer GPUs, Blackwell until it is tuned): fewer
-stages, the compiler's register allocation, pointer loads, smaller loss tiles.
+stages, the compiler's register allocation, pointer loads.
+
+Tile shapes that were swept rather than derived are tables, one JSON file per row
+(``mhc/kernels/tables/<row>.json``): the tiled Sinkhorn kernels' tiles and the fused loss's 16-bit
+tiles. The tuning commands write them (``--write``) into the row of the GPU they run on.
 
 ``MHC_ARCH=hopper|default`` forces a row (set it before the first launch); otherwise the current
 CUDA device's compute capability picks it (9.x: ``hopper``). One row serves the whole process.
@@ -16,12 +20,15 @@ CUDA device's compute capability picks it (9.x: ``hopper``). One row serves the 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["Arch", "ARCHS", "arch"]
+__all__ = ["Arch", "ARCHS", "arch", "tuned", "write_tuned"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,6 @@ class Arch:
     max_stages: int  # software-pipelining stages of the tiled loops (shared memory per SM)
     register_caps: bool  # apply the launchers' maxnreg caps (tuned on this architecture's SMs)
     tensor_descriptors: bool  # load the fused loss's tiles through TMA descriptors
-    loss_tiles_16bit: tuple  # (lse, grad_logits, grad_logits_softcap, grad_input) of the fused loss
 
 
 ARCHS = {
@@ -39,7 +45,6 @@ ARCHS = {
         max_stages=4,
         register_caps=True,
         tensor_descriptors=True,
-        loss_tiles_16bit=((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 3)),
     ),
     # about 100 KiB of shared memory per SM is the smallest of the GPUs Triton supports
     "default": Arch(
@@ -47,7 +52,6 @@ ARCHS = {
         max_stages=2,
         register_caps=False,
         tensor_descriptors=False,
-        loss_tiles_16bit=((64, 128, 64, 4, 2),) * 4,
     ),
 }
 
@@ -64,3 +68,58 @@ def arch() -> Arch:
         return ARCHS["hopper"]  # Triton's interpreter: the tuned rules, which it runs as they are
     major, _ = torch.cuda.get_device_capability()
     return ARCHS["hopper" if major == 9 else "default"]
+
+
+TABLES = Path(__file__).with_name("tables")
+
+
+def _frozen(value):
+    """JSON lists as tuples (the launch plans are cached per argument: hashable), recursively."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def _table(row: str) -> dict:
+    with open(TABLES / f"{row}.json") as f:
+        return _frozen(json.load(f))
+
+
+def tuned(section: str, row: str | None = None) -> dict:
+    """Table ``section`` of a row (this process's, :func:`arch`, unless named): e.g.
+    ``tuned("loss_tiles_16bit")["lse"]``. Tiles are tuples."""
+    return _table(row or arch().name)[section]
+
+
+def write_tuned(section: str, entries: dict, row: str | None = None, path: Path | None = None) -> Path:
+    """Merge ``entries`` into table ``section`` of a row's file (nested tables key by key) and write
+    it there (or to ``path``): what the tuning commands call with their winners. Returns the file
+    written."""
+    row = row or arch().name
+    source = TABLES / f"{row}.json"
+    with open(source) as f:
+        table = json.load(f)
+    table[section] = _merged(table.get(section, {}), json.loads(json.dumps(entries)))
+    target = Path(path) if path is not None else source
+    target.write_text(_dumps(table) + "\n")
+    if target == source:
+        _table.cache_clear()
+    return target
+
+
+def _merged(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s entries, nested tables merged key by key."""
+    out = dict(old)
+    for key, value in new.items():
+        both = isinstance(value, dict) and isinstance(old.get(key), dict)
+        out[key] = _merged(old[key], value) if both else value
+    return out
+
+
+def _dumps(table: dict) -> str:
+    """JSON with each tile on one line, as the files are laid out."""
+    text = json.dumps(table, indent=2)
+    return re.sub(r"\[[^\[\]{}]*\]", lambda m: json.dumps(json.loads(m.group(0))), text)

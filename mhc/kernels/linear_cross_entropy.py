@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc.kernels._arch import arch
+from mhc.kernels._arch import arch, tuned
 from mhc.kernels._host import read_later
-from mhc.kernels._launch import sm_count
+from mhc.kernels._launch import LaunchPlan, launch_plan, per_size, sm_count
+from mhc.kernels._tiles import cdiv
 
 try:  # Triton >= 3.3 on Hopper: the logits tiles come through the tensor copy engine (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -382,22 +383,106 @@ def _upcast(x: torch.Tensor) -> bool:
 
 
 def _tiles(x: torch.Tensor) -> dict:
-    """Block shapes: swept on Hopper for 16-bit inputs (``python -m bench.loss --sweep``); small
-    under the interpreter, where every program is a Python loop."""
+    """Block shapes: for 16-bit inputs the architecture's table (``mhc/kernels/tables``, swept by
+    ``python -m bench.loss --sweep --write``); small under the interpreter, where every program is
+    a Python loop."""
     if not x.is_cuda:
         small = (32, 32, 32, 1, 1)
         return dict(lse=small, grad_logits=small, grad_logits_softcap=small, grad_input=small)
     if x.dtype == torch.float32:
         fp32 = (64, 64, 32, 4, 3)
         return dict(lse=fp32, grad_logits=fp32, grad_logits_softcap=fp32, grad_input=fp32)
-    return dict(zip(TILES_16BIT, arch().loss_tiles_16bit))
+    return tuned("loss_tiles_16bit")
 
 
-# (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages). The soft-cap's
-# epilogue spills registers with grad_logits' tile, so it has its own.
-TILES_16BIT = ("lse", "grad_logits", "grad_logits_softcap", "grad_input")  # per arch: mhc.kernels._arch
+# (BLOCK_N, BLOCK_V or BLOCK_D, BLOCK_D or BLOCK_K, num_warps, num_stages); 16-bit ones per
+# architecture in mhc/kernels/tables. The soft-cap's epilogue spills registers with grad_logits'
+# tile, so it has its own.
+TILES_16BIT = ("lse", "grad_logits", "grad_logits_softcap", "grad_input")
 GROUP = 8
 USE_TMA = True  # tensor-memory-accelerator loads where Triton has them (faster on Hopper); False: pointers
+
+
+def _numerics(x: torch.Tensor) -> tuple[str, bool]:
+    """``(PRECISION, UPCAST)`` of the products: read per call (``allow_tf32`` may change)."""
+    return _precision(x.dtype), _upcast(x)
+
+
+# ------------------------------------------------------------------------------ launch plans
+# One per kernel: its grid and meta-parameters for a size, from the tiles of ``_tiles`` (per
+# architecture). Whether the tiles come through TMA depends on the tensors' addresses: per call.
+
+
+@launch_plan
+def _lse_plan(N, V: int, D: int, tile: tuple, precision: str, upcast: bool, flags: tuple, sms: int):
+    """``(LaunchPlan, blocks_per_split, n_splits)`` of the forward: a program per row block and
+    range of ``blocks_per_split`` vocabulary blocks, about ``PROGRAMS_PER_SM`` programs per SM.
+    ``flags``: ``(HAS_BIAS, SOFTCAP, SMOOTH, HAS_CLASS_WEIGHT)``."""
+    block_n, block_v, block_d, warps, stages = tile
+    row_blocks, vocab_blocks = cdiv(N, block_n), cdiv(V, block_v)
+    n_splits = min(vocab_blocks, max(1, cdiv(PROGRAMS_PER_SM * sms, max(1, row_blocks))))
+    blocks_per_split = cdiv(vocab_blocks, n_splits)
+    n_splits = cdiv(vocab_blocks, blocks_per_split)  # no empty split
+    meta = dict(
+        **_flag_meta(flags),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
+        GROUP=GROUP,
+        EVEN_D=D % block_d == 0,
+        PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return (
+        LaunchPlan((row_blocks * n_splits,), meta, ("lse", tile, precision, upcast, flags)),
+        blocks_per_split,
+        n_splits,
+    )
+
+
+@launch_plan
+def _grad_logits_plan(N, D: int, width: int, tile: tuple, precision: str, upcast: bool, flags: tuple):
+    """A program per ``[BLOCK_N, BLOCK_V]`` tile of a chunk of ``width`` vocabulary columns,
+    grouped ``GROUP`` row blocks at a time."""
+    block_n, block_v, block_d, warps, stages = tile
+    meta = dict(
+        **_flag_meta(flags),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
+        GROUP=GROUP,
+        EVEN_D=D % block_d == 0,
+        PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    grid = (cdiv(N, block_n) * cdiv(width, block_v),)
+    return LaunchPlan(grid, meta, ("grad_logits", tile, precision, upcast, flags))
+
+
+@launch_plan
+def _grad_input_plan(N, D: int, tile: tuple, precision: str, upcast: bool):
+    """A program per ``[BLOCK_N, BLOCK_D]`` tile of ``dx``, grouped as :func:`_grad_logits_plan`."""
+    block_n, block_d, block_k, warps, stages = tile
+    meta = dict(
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_K=block_k,
+        GROUP=GROUP,
+        PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return LaunchPlan((cdiv(N, block_n) * cdiv(D, block_d),), meta, ("grad_input", tile, precision, upcast))
+
+
+def _flag_meta(flags: tuple) -> dict:
+    has_bias, softcap, smoothing, has_class_weight = flags
+    return dict(HAS_BIAS=has_bias, SOFTCAP=softcap, SMOOTH=smoothing, HAS_CLASS_WEIGHT=has_class_weight)
 
 
 def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, softcap=None):
@@ -411,17 +496,13 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     V = weight.shape[0]
     _check_target(target, N)
     x, weight, bias, target, class_weight = _dense(x, weight, bias, target, class_weight)
-    block_n, block_v, block_d, warps, stages = _tiles(x)["lse"]
-    row_blocks = triton.cdiv(N, block_n)
-    vocab_blocks = triton.cdiv(V, block_v)
-    programs = PROGRAMS_PER_SM * sm_count(x.device)
-    n_splits = min(vocab_blocks, max(1, triton.cdiv(programs, max(1, row_blocks))))
-    blocks_per_split = triton.cdiv(vocab_blocks, n_splits)
-    n_splits = triton.cdiv(vocab_blocks, blocks_per_split)  # no empty split
+    flags = (bias is not None, softcap is not None, smoothing, class_weight is not None)
+    tile = _tiles(x)["lse"]
+    plan, blocks_per_split, n_splits = per_size(_lse_plan, N)(N, V, D, tile, *_numerics(x), flags, sm_count(x.device))
     partial = torch.empty(4 if smoothing else 3, N, n_splits, device=x.device, dtype=torch.float32)
     if N > 0:
-        x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
-        lse_partials_kernel[(row_blocks * n_splits,)](
+        x_src, w_src, tma = _sources(x, weight, *tile[:3])
+        lse_partials_kernel[plan.grid](
             x_src,
             w_src,
             bias if bias is not None else x,
@@ -439,20 +520,8 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
             blocks_per_split,
             n_splits,
             float(softcap or 1.0),
-            HAS_BIAS=bias is not None,
-            SOFTCAP=softcap is not None,
-            SMOOTH=smoothing,
-            HAS_CLASS_WEIGHT=class_weight is not None,
-            BLOCK_N=block_n,
-            BLOCK_V=block_v,
-            BLOCK_D=block_d,
-            GROUP=GROUP,
-            EVEN_D=D % block_d == 0,
-            PRECISION=_precision(x.dtype),
-            UPCAST=_upcast(x),
             TMA=tma,
-            num_warps=warps,
-            num_stages=stages,
+            **plan.meta,
         )
     run_max, run_sum, target_logit = partial[:3]
     row_max = run_max.amax(dim=1)
@@ -547,19 +616,19 @@ def grad_backward(
     prob_scale, target_scale = prob_scale / divisor, target_scale / divisor
     smoothing = smooth_scale is not None
     smooth_scale = smooth_scale / divisor if smoothing else prob_scale
+    flags = (bias is not None, softcap is not None, smoothing, class_weight is not None)
     tiles = _tiles(x)
-    block_n, block_v, block_d, warps, stages = tiles["grad_logits" if softcap is None else "grad_logits_softcap"]
-    in_n, in_d, in_k, in_warps, in_stages = tiles["grad_input"]
-    precision = _precision(x.dtype)
+    tile = tiles["grad_logits" if softcap is None else "grad_logits_softcap"]
+    numerics = _numerics(x)
     chunk = chunk_columns(N, V, x.element_size())
     grads = torch.empty(N, chunk, device=x.device, dtype=x.dtype)
-    x_src, w_src, tma = _sources(x, weight, block_n, block_v, block_d)
+    x_src, w_src, tma = _sources(x, weight, *tile[:3])
     scale_max = None
     for c0 in range(0, V, chunk):
         c1 = min(V, c0 + chunk)
         g = grads[:, : c1 - c0]
-        grid = (triton.cdiv(N, block_n) * triton.cdiv(c1 - c0, block_v),)
-        grad_logits_kernel[grid](
+        plan = per_size(_grad_logits_plan, N)(N, D, c1 - c0, tile, *numerics, flags)
+        grad_logits_kernel[plan.grid](
             x_src,
             w_src,
             bias if bias is not None else x,
@@ -578,20 +647,8 @@ def grad_backward(
             weight.stride(0),
             grads.stride(0),
             float(softcap or 1.0),
-            HAS_BIAS=bias is not None,
-            SOFTCAP=softcap is not None,
-            SMOOTH=smoothing,
-            HAS_CLASS_WEIGHT=class_weight is not None,
-            BLOCK_N=block_n,
-            BLOCK_V=block_v,
-            BLOCK_D=block_d,
-            GROUP=GROUP,
-            EVEN_D=D % block_d == 0,
-            PRECISION=precision,
-            UPCAST=_upcast(x),
             TMA=tma,
-            num_warps=warps,
-            num_stages=stages,
+            **plan.meta,
         )
         if scale_max is None and capturable:
             scale_max = 1.0  # the products unscaled; the device divisor is applied below
@@ -607,8 +664,8 @@ def grad_backward(
         if need_input and _cublas_accumulates_fp32(x):
             torch.addmm(grad_x, g, weight[c0:c1], torch.float32, out=grad_x)
         elif need_input:
-            grid = (triton.cdiv(N, in_n) * triton.cdiv(D, in_d),)
-            grad_input_kernel[grid](
+            plan = per_size(_grad_input_plan, N)(N, D, tiles["grad_input"], *numerics)
+            grad_input_kernel[plan.grid](
                 g,
                 weight[c0:c1],
                 grad_x,
@@ -618,14 +675,7 @@ def grad_backward(
                 grads.stride(0),
                 weight.stride(0),
                 grad_x.stride(0),
-                BLOCK_N=in_n,
-                BLOCK_D=in_d,
-                BLOCK_K=in_k,
-                GROUP=GROUP,
-                PRECISION=precision,
-                UPCAST=_upcast(x),
-                num_warps=in_warps,
-                num_stages=in_stages,
+                **plan.meta,
             )
     del grads, g  # before the cast below allocates dx
     scale = divisor if capturable else scale_max

@@ -11,7 +11,7 @@ The tile's shape chooses which entries a thread holds. Entry ``(t, ri, cb, ro, c
 ``ri * RO + ro``, column ``4 * cb + c`` of matrix ``t`` (``RI * RO = NP``, ``CB = NP / 4``).
 Triton lays a load out with 16-byte vectors on the last axis, then hands out a warp's lanes and
 the program's warps to axes 0, 1, 2, 3 in that order, each taking as many as its size allows;
-what is left of an axis stays in the thread. So ``BLOCK_T`` and ``RI`` (``TILED_CONFIGS``) decide
+what is left of an axis stays in the thread. So ``BLOCK_T`` and ``RI`` (the tiles table) decide
 how many of a matrix's rows and columns share a thread: a row reduction crosses the lanes on
 ``CB``, a column reduction those on ``RI`` (and on ``BLOCK_T``, never). At n = 64 the forward gives
 each thread a 16 x 8 block (``RI = 4``: lanes 4 x 8, one warp per matrix), where a tile with its
@@ -34,20 +34,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mhc.kernels._arch import tuned
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
-from mhc.kernels._launch import INTERPRET, launch
+from mhc.kernels._launch import INTERPRET, LaunchPlan, launch, launch_plan, per_size, static
 from mhc.kernels._tiles import MAX_N, cdiv, centered, load_upcast, next_pow2, reciprocal, store_rounded
 
-# Per NP, from Hopper sweeps (docs/sinkhorn.md, python -m bench.tune_sinkhorn): fwd and implicit
-# (BLOCK_T, RI, num_warps); bwd (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of
-# iterations whose row scalings the exact backward holds on chip; RECOMPUTE_R1 trades a second
-# read of the logits for the registers of the first iteration's row sums.
-TILED_CONFIGS = {
-    8: dict(fwd=(16, 1, 1), bwd=(32, 1, 1, 7, False), implicit=(16, 1, 1)),
-    16: dict(fwd=(8, 2, 1), bwd=(8, 2, 1, 7, False), implicit=(4, 2, 1)),
-    32: dict(fwd=(2, 2, 1), bwd=(2, 4, 1, 15, False), implicit=(1, 4, 1)),
-    64: dict(fwd=(1, 4, 1), bwd=(1, 16, 2, 19, False), implicit=(1, 1, 4)),
-}
+# Tiles per NP class ("8" to "64"), a table per architecture (mhc/kernels/tables, written by
+# python -m bench.tune_sinkhorn tiles --write): fwd and implicit (BLOCK_T, RI, num_warps); bwd
+# (BLOCK_T, RI, num_warps, SEG, RECOMPUTE_R1). SEG is the number of iterations whose row scalings
+# the exact backward holds on chip; RECOMPUTE_R1 trades a second read of the logits for the
+# registers of the first iteration's row sums.
+TABLE = "sinkhorn_tiled"
 VEC = tl.constexpr(4)  # columns per vector: the tile's last axis
 
 
@@ -357,8 +354,19 @@ def sinkhorn_tiled_implicit_bwd_kernel(
 # ----------------------------------------------------------------------------------- launchers
 
 
-def _config(n: int, kind: str) -> tuple:
-    return TILED_CONFIGS[max(8, next_pow2(n))][kind]
+@launch_plan
+def _plan(kind: str, n: int, rs: int, fp64: bool, T) -> LaunchPlan:
+    """The ``kind`` (``fwd``, ``bwd``, ``implicit``) launch: a program per ``BLOCK_T`` matrices,
+    tiled as the architecture's table says for ``n``'s power-of-two class."""
+    block_t, ri, num_warps, *segments = tuned(TABLE)[str(max(8, next_pow2(n)))][kind]
+    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, num_warps=num_warps)
+    if kind == "bwd":
+        seg, recompute_r1 = segments
+        meta.update(SEG=seg, SEGP=max(VEC.value, next_pow2(seg + 1)), RECOMPUTE_R1=recompute_r1)
+    if kind == "implicit":
+        meta.update(CG_TOL=1e-13 if fp64 else 1e-6)
+    name = "sinkhorn_tiled_implicit_bwd" if kind == "implicit" else f"sinkhorn_tiled_{kind}"
+    return LaunchPlan((cdiv(T, block_t),), meta, (name, n, rs, fp64))
 
 
 def row_stride(n: int, element_size: int) -> int:
@@ -378,6 +386,7 @@ def _operands(*tensors: torch.Tensor):
     row_stride(n)`` entries where that is more than ``n``: one copy each) and an empty
     ``[T, n, n]`` output. ``T``, ``n``, ``rs``."""
     T, n = check_matrices(tensors[0], "the first tensor", MAX_N)
+    n = static(n)
     for i, t in enumerate(tensors[1:], 1):
         check_tensor(t, f"tensor argument {i}", tensors[0].shape, device=tensors[0].device)
     rs = row_stride(n, tensors[0].element_size())
@@ -395,18 +404,8 @@ def sinkhorn_tiled_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     check_positive(iters, "iters")
     if T == 0:
         return out
-    block_t, ri, num_warps = _config(n, "fwd")
-    fp64 = logits.dtype == torch.float64
-    meta = dict(N=n, NP=next_pow2(n), RS=rs, BLOCK_T=block_t, RI=ri, FP64=fp64, num_warps=num_warps)
-    launch(
-        sinkhorn_tiled_fwd_kernel,
-        (cdiv(T, block_t),),
-        (logits,),
-        (out,),
-        (T, iters),
-        meta,
-        ("sinkhorn_tiled_fwd", n, rs, fp64),
-    )
+    plan = per_size(_plan, T)("fwd", n, rs, logits.dtype == torch.float64, T)
+    launch(sinkhorn_tiled_fwd_kernel, plan.grid, (logits,), (out,), (T, iters), plan.meta, plan.key)
     return out
 
 
@@ -416,29 +415,8 @@ def sinkhorn_tiled_bwd(logits: torch.Tensor, grad_out: torch.Tensor, iters: int)
     check_positive(iters, "iters")
     if T == 0:
         return grad_in
-    block_t, ri, num_warps, seg, recompute_r1 = _config(n, "bwd")
-    fp64 = logits.dtype == torch.float64
-    meta = dict(
-        N=n,
-        NP=next_pow2(n),
-        RS=rs,
-        BLOCK_T=block_t,
-        RI=ri,
-        SEG=seg,
-        SEGP=max(VEC.value, next_pow2(seg + 1)),
-        RECOMPUTE_R1=recompute_r1,
-        FP64=fp64,
-        num_warps=num_warps,
-    )
-    launch(
-        sinkhorn_tiled_bwd_kernel,
-        (cdiv(T, block_t),),
-        (logits, grad_out),
-        (grad_in,),
-        (T, iters),
-        meta,
-        ("sinkhorn_tiled_bwd", n, rs, fp64),
-    )
+    plan = per_size(_plan, T)("bwd", n, rs, logits.dtype == torch.float64, T)
+    launch(sinkhorn_tiled_bwd_kernel, plan.grid, (logits, grad_out), (grad_in,), (T, iters), plan.meta, plan.key)
     return grad_in
 
 
@@ -447,25 +425,6 @@ def sinkhorn_tiled_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> to
     T, n, rs, (out, grad_out, grad_in) = _operands(out, grad_out)
     if T == 0:
         return grad_in
-    block_t, ri, num_warps = _config(n, "implicit")
-    fp64 = out.dtype == torch.float64
-    meta = dict(
-        N=n,
-        NP=next_pow2(n),
-        RS=rs,
-        BLOCK_T=block_t,
-        RI=ri,
-        FP64=fp64,
-        CG_TOL=1e-13 if fp64 else 1e-6,
-        num_warps=num_warps,
-    )
-    launch(
-        sinkhorn_tiled_implicit_bwd_kernel,
-        (cdiv(T, block_t),),
-        (out, grad_out),
-        (grad_in,),
-        (T,),
-        meta,
-        ("sinkhorn_tiled_implicit_bwd", n, rs, fp64),
-    )
+    plan = per_size(_plan, T)("implicit", n, rs, out.dtype == torch.float64, T)
+    launch(sinkhorn_tiled_implicit_bwd_kernel, plan.grid, (out, grad_out), (grad_in,), (T,), plan.meta, plan.key)
     return grad_in
