@@ -210,3 +210,39 @@ def test_kernel_compat_reports_what_the_fast_launch_needs():
     assert _compat.launches_directly(Launcher()) and not _compat.launches_directly(object())
     if _compat.FAST_LAUNCH_SUPPORTED:
         assert len(_compat.launch_hooks()) == 2
+
+
+def _token_plans(tokens, device):
+    """Every per-token launch plan outside the coefficient kernels (those: test_small_tokens), for
+    ``tokens`` matrices or tokens: ``(name, LaunchPlan)``."""
+    from mhc.kernels import sinkhorn, sinkhorn_eps, sinkhorn_implicit, sinkhorn_tiled, stream_mix
+
+    plans = [("sinkhorn_fwd", sinkhorn._fwd_plan.__wrapped__(4, 20, False, tokens))]
+    plans.append(("sinkhorn_bwd", sinkhorn._bwd_plan.__wrapped__(6, 20, True, tokens)))
+    plans.append(("sinkhorn_eps", sinkhorn_eps._plan.__wrapped__(4, 20, False, tokens)))
+    plans.append(("sinkhorn_implicit", sinkhorn_implicit._plan.__wrapped__(5, False, tokens)))
+    for kind in ("fwd", "bwd", "implicit"):
+        plans.append((f"tiled_{kind}", sinkhorn_tiled._plan.__wrapped__(kind, 24, 24, False, tokens)))
+    plans.append(("mix_fwd", stream_mix._fwd_plan.__wrapped__(4, 4, 1000, True, tokens)))
+    plans.append(("mix_bwd", stream_mix._bwd_plan.__wrapped__(4, 1, 1000, tokens, False, True, True, device)[0]))
+    return plans
+
+
+def test_token_launch_plans_take_a_symbolic_token_count_without_a_guard():
+    """A graph traced for any token count (an unbacked count raises on any guard): the token grid
+    is an expression in the count, every meta-parameter an int."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    tokens = ShapeEnv().create_unbacked_symint()
+    for name, plan in _token_plans(tokens, torch.device("cpu")):
+        assert type(plan.grid[0]) is torch.SymInt, name
+        assert all(type(g) is int for g in plan.grid[1:]), name
+        assert all(type(v) is not torch.SymInt for v in plan.meta.values()), name
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 31, 32, 33, 1000, 65537])
+def test_token_launch_plans_cover_every_token_once(tokens):
+    """Programs of ``BLOCK_T`` tokens: none past the last token's tile, none missing."""
+    for name, plan in _token_plans(tokens, torch.device("cpu")):
+        block = plan.meta["BLOCK_T"]
+        assert (plan.grid[0] - 1) * block < tokens <= plan.grid[0] * block, name
