@@ -418,23 +418,12 @@ def _lse_plan(N, V: int, D: int, tile: tuple, precision: str, upcast: bool, flag
     """``(LaunchPlan, blocks_per_split, n_splits)`` of the forward: a program per row block and
     range of ``blocks_per_split`` vocabulary blocks, about ``PROGRAMS_PER_SM`` programs per SM.
     ``flags``: ``(HAS_BIAS, SOFTCAP, SMOOTH, HAS_CLASS_WEIGHT)``."""
-    block_n, block_v, block_d, warps, stages = tile
+    block_n, block_v = tile[:2]
     row_blocks, vocab_blocks = cdiv(N, block_n), cdiv(V, block_v)
     n_splits = min(vocab_blocks, max(1, cdiv(PROGRAMS_PER_SM * sms, max(1, row_blocks))))
     blocks_per_split = cdiv(vocab_blocks, n_splits)
     n_splits = cdiv(vocab_blocks, blocks_per_split)  # no empty split
-    meta = dict(
-        **_flag_meta(flags),
-        BLOCK_N=block_n,
-        BLOCK_V=block_v,
-        BLOCK_D=block_d,
-        GROUP=GROUP,
-        EVEN_D=D % block_d == 0,
-        PRECISION=precision,
-        UPCAST=upcast,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    meta = _logits_meta(D, tile, precision, upcast, flags)
     return (
         LaunchPlan((row_blocks * n_splits,), meta, ("lse", tile, precision, upcast, flags)),
         blocks_per_split,
@@ -446,19 +435,8 @@ def _lse_plan(N, V: int, D: int, tile: tuple, precision: str, upcast: bool, flag
 def _grad_logits_plan(N, D: int, width: int, tile: tuple, precision: str, upcast: bool, flags: tuple):
     """A program per ``[BLOCK_N, BLOCK_V]`` tile of a chunk of ``width`` vocabulary columns,
     grouped ``GROUP`` row blocks at a time."""
-    block_n, block_v, block_d, warps, stages = tile
-    meta = dict(
-        **_flag_meta(flags),
-        BLOCK_N=block_n,
-        BLOCK_V=block_v,
-        BLOCK_D=block_d,
-        GROUP=GROUP,
-        EVEN_D=D % block_d == 0,
-        PRECISION=precision,
-        UPCAST=upcast,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    block_n, block_v = tile[:2]
+    meta = _logits_meta(D, tile, precision, upcast, flags)
     grid = (cdiv(N, block_n) * cdiv(width, block_v),)
     return LaunchPlan(grid, meta, ("grad_logits", tile, precision, upcast, flags))
 
@@ -480,9 +458,25 @@ def _grad_input_plan(N, D: int, tile: tuple, precision: str, upcast: bool):
     return LaunchPlan((cdiv(N, block_n) * cdiv(D, block_d),), meta, ("grad_input", tile, precision, upcast))
 
 
-def _flag_meta(flags: tuple) -> dict:
+def _logits_meta(D: int, tile: tuple, precision: str, upcast: bool, flags: tuple) -> dict:
+    """The meta-parameters of the two kernels that compute logit tiles."""
+    block_n, block_v, block_d, warps, stages = tile
     has_bias, softcap, smoothing, has_class_weight = flags
-    return dict(HAS_BIAS=has_bias, SOFTCAP=softcap, SMOOTH=smoothing, HAS_CLASS_WEIGHT=has_class_weight)
+    return dict(
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
+        SMOOTH=smoothing,
+        HAS_CLASS_WEIGHT=has_class_weight,
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
+        GROUP=GROUP,
+        EVEN_D=D % block_d == 0,
+        PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, softcap=None):
