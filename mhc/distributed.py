@@ -7,10 +7,11 @@ computes is per token, so a site runs on its rank's shard of the streams as it i
 values as on the whole sequence. :func:`parallelize_sites` makes the sites' own parameters
 ``DTensor``\\ s replicated over the group's mesh (``Replicate()``, as torchtitan's
 ``SequenceParallel`` does for norms); each rank's gradient covers its own tokens and arrives as a
-partial sum (``Partial()``), which the ``DTensor`` reduces where it is used: FSDP2 on a 2-D
-``(dp, tp)`` mesh, the optimizer, ``full_tensor()``. The branches inside the sites are
-parallelized by the model's own tensor-parallel plan (which gathers the sequence where a branch
-needs all of it, as attention does).
+partial sum (``Partial()``). It is reduced once, when it accumulates in ``.grad`` (one all-reduce
+per parameter, during the backward), so the optimizer's ops read a replicated gradient; under
+FSDP2 on a 2-D ``(dp, tp)`` mesh, which computes with unsharded copies, FSDP2 reduces it. The
+branches inside the sites are parallelized by the model's own tensor-parallel plan (which gathers
+the sequence where a branch needs all of it, as attention does).
 
 Streams may arrive as local shards or as ``DTensor``\\ s sharded on the sequence dimension of a
 one-dimensional mesh: a site called as a module then runs on the local shard and returns a
@@ -64,8 +65,9 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
 
     Their own parameters become ``DTensor``\\ s replicated over ``mesh`` (a 1-D ``DeviceMesh``,
     for example ``mesh["tp"]`` of a 2-D ``(dp, tp)`` mesh, or a process group; default: the
-    default process group), with rank 0's values. Their gradients are partial sums over the
-    ranks' tokens (``Partial()``), reduced where they are used. A ``DTensor`` input sharded on
+    default process group), with rank 0's values. Their gradients, partial sums over the ranks'
+    tokens (``Partial()``), are all-reduced once as they accumulate (under FSDP2: by FSDP2). A
+    ``DTensor`` input sharded on
     ``sequence_dim`` runs as its local shard. Call it after the parameters are initialised and
     before ``fully_shard``, as torchtitan orders tensor parallel and FSDP2. Returns ``model``,
     changed in place.
@@ -114,7 +116,20 @@ def _replicate_parameters(module: nn.Module, mesh) -> None:
 
     for name, p in list(module.named_parameters(recurse=False)):
         replicated = distribute_tensor(p.detach(), mesh, [Replicate()])  # rank 0's values on every rank
-        module.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
+        param = nn.Parameter(replicated, requires_grad=p.requires_grad)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        module.register_parameter(name, param)
+
+
+def _reduce_partial_grad(param: nn.Parameter) -> None:
+    """The accumulated gradient's partial sums reduced here, once per backward: otherwise every
+    optimizer op that reads it would all-reduce it again."""
+    from torch.distributed.tensor import Replicate
+
+    grad = param.grad
+    if grad is not None and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
 
 
 def _to_local_shard(sequence_dim: int):

@@ -100,7 +100,8 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
         out = (torch.compile(model) if compiled else model)(x, chained)
     (out * weight).sum().backward()
     grads = {n: _full(p.grad).cpu() for n, p in model.named_parameters()}
-    return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads)
+    partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in _placements(p.grad)))
+    return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads, partial=partial)
 
 
 def tensor_parallel_branches(model, mesh) -> None:
@@ -113,6 +114,10 @@ def tensor_parallel_branches(model, mesh) -> None:
     plan = {"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
     for site in model.sites:
         parallelize_module(site.branch, mesh, plan)
+
+
+def _placements(grad: torch.Tensor) -> tuple:
+    return getattr(grad, "placements", ())
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -133,7 +138,7 @@ def main(out_dir: str, device: str) -> None:
     for name in SCENARIOS if device == "cuda" else CPU_SCENARIOS:
         got = run(name, (rank, world), device)
         outputs = (gather(got[k], world).cpu() for k in ("out", "x_grad"))
-        result = dict(zip(("out", "x_grad"), outputs), grads=got["grads"])
+        result = dict(zip(("out", "x_grad"), outputs), grads=got["grads"], partial=got["partial"])
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{name}.pt")
     dist.destroy_process_group()

@@ -58,6 +58,7 @@ def mesh_2d_gpu_results(tmp_path_factory):
 
 
 def assert_same(got, want):
+    assert got["partial"] == [], "gradients left as partial sums: each optimizer op would reduce them"
     torch.testing.assert_close(got["out"], want["out"].cpu(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got["x_grad"], want["x_grad"].cpu(), rtol=1e-6, atol=1e-6)
     assert got["grads"].keys() == want["grads"].keys()
