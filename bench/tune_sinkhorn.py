@@ -118,7 +118,8 @@ def tiles(only: str = "fwd,bwd,implicit", listed: str | None = None, write: str 
                     f"regs {regs} spills {spills}",
                     flush=True,
                 )
-            winners.setdefault(str(n), dict(saved))[kind] = min(results)[1]
+            if results:
+                winners.setdefault(str(n), dict(saved))[kind] = min(results)[1]
     if write and winners:
         path = _arch.write_tuned(sinkhorn_tiled.TABLE, winners, path=None if write is True else write)
         print(f"\nwrote {sorted(winners)} of {sinkhorn_tiled.TABLE} ({_arch.arch().name}) to {path}", flush=True)

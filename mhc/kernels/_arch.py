@@ -90,7 +90,8 @@ def _table(row: str) -> dict:
 
 def tuned(section: str, row: str | None = None) -> dict:
     """Table ``section`` of a row (this process's, :func:`arch`, unless named): e.g.
-    ``tuned("loss_tiles_16bit")["lse"]``. Tiles are tuples."""
+    ``tuned("loss_tiles_16bit")["lse"]``. Tiles are tuples. It is the table the launchers read:
+    the tuners sweep by changing it in place (then ``forget_launch_plans()``)."""
     return _table(row or arch().name)[section]
 
 
