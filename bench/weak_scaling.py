@@ -15,9 +15,9 @@ The model (issue-sized): d = 2048, 8 layers (16 sites), 16 heads, n = 4 streams,
 ``MixedPrecisionPolicy(bf16, fp32)``, AdamW; 3 warm-up steps, then 10 timed steps (synchronised
 wall time each). Arms: ``plain``, ``mhc`` (every site called as a module) and ``mhc-chain`` (the
 two sites of a layer joined by ``finish(y, next=...)``; FSDP2 gathers a layer's parameters once
-for both). ``--compile`` compiles each layer before sharding it (``layer.compile(dynamic=False)``, as torchtitan
-does), every arm alike; ``--cpp-wrapper`` also sets Inductor's ``cpp_wrapper`` (the compiled
-graphs launch their kernels from C++).
+for both). ``--compile`` compiles each layer before sharding it (``layer.compile(dynamic=False)``,
+as torchtitan does), every arm alike; ``--cpp-wrapper`` also sets Inductor's ``cpp_wrapper`` (the
+compiled graphs launch their kernels from C++).
 """
 
 from __future__ import annotations
@@ -205,41 +205,13 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
     """One torchrun job: ``runs`` rounds of every arm on ``gpus`` GPUs; its per-run results."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    cmd = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={gpus}",
-            "-m",
-            "bench.weak_scaling",
-            "--worker",
-            "--arms",
-            *arms,
-            "--runs",
-            str(runs),
-            "--tokens",
-            str(tokens),
-            "--result",
-            result,
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--dim",
-            str(args.dim),
-            "--layers",
-            str(args.layers),
-            "--heads",
-            str(args.heads),
-            "--seq",
-            str(args.seq),
-        ]
-        + (["--profile"] if profile else [])
-        + (["--compile"] if args.compile else [])
-        + (["--cpp-wrapper"] if args.cpp_wrapper else [])
-    )
+    sizes = dict(runs=runs, tokens=tokens, steps=args.steps, warmup=args.warmup, dim=args.dim)
+    sizes.update(layers=args.layers, heads=args.heads, seq=args.seq)
+    flags = dict(profile=profile, compile=args.compile, cpp_wrapper=args.cpp_wrapper)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    cmd += ["-m", "bench.weak_scaling", "--worker", "--arms", *arms, "--result", result]
+    cmd += [arg for name, value in sizes.items() for arg in (f"--{name}", str(value))]
+    cmd += [f"--{name.replace('_', '-')}" for name, on in flags.items() if on]
     env = {**os.environ, **SAFE_ENV}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:

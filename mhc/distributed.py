@@ -67,10 +67,9 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
     for example ``mesh["tp"]`` of a 2-D ``(dp, tp)`` mesh, or a process group; default: the
     default process group), with rank 0's values. Their gradients, partial sums over the ranks'
     tokens (``Partial()``), are all-reduced once as they accumulate (under FSDP2: by FSDP2). A
-    ``DTensor`` input sharded on
-    ``sequence_dim`` runs as its local shard. Call it after the parameters are initialised and
-    before ``fully_shard``, as torchtitan orders tensor parallel and FSDP2. Returns ``model``,
-    changed in place.
+    ``DTensor`` input sharded on ``sequence_dim`` runs as its local shard. Call it after the
+    parameters are initialised and before ``fully_shard``, as torchtitan orders tensor parallel
+    and FSDP2. Returns ``model``, changed in place.
 
     The branches' parameters are not touched: the model's tensor-parallel plan owns them. A
     model whose activations are replicated over the group (tensor parallel without sequence
