@@ -95,3 +95,21 @@ def test_which_registration_the_environment_picks(env, expected):
         [sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == str(expected)
+
+
+@pytest.mark.gpu
+def test_an_op_with_a_register_cap_runs_eagerly_again():
+    """A ``triton_op``'s body run eagerly (a ``DTensor``, a dispatch mode) launches through
+    ``wrap_triton``; a kernel with a register cap goes through a one-config autotuner that holds
+    its launch options, on the second call as on the first (the coefficient backward at n = 4)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, T = 4, 64, 32
+    x = torch.randn(T, n, d, generator=g).cuda()
+    phi, alpha, bias = torch.randn(n * d, 24, generator=g).cuda() / 16, torch.ones(3).cuda(), torch.zeros(24).cuda()
+    _, p, r, h_pre, h_post, _, _ = torch.ops.mhc.mhc_coefficients_fwd(x, phi, alpha, bias, 3, 1e-6, 0.0)
+    grads = torch.randn(T, n).cuda(), torch.randn(T, n).cuda(), torch.randn(T, n, n).cuda(), torch.randn(T, d).cuda()
+    args = (x, phi, alpha, p, r, h_pre, h_post, *grads, None, 0.0)
+    first = torch.ops.mhc.mhc_coefficients_bwd(*args)
+    second = torch.ops.mhc.mhc_coefficients_bwd(*args)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)

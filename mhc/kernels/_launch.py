@@ -144,11 +144,10 @@ _TUNED: dict = {}
 
 
 def _traced_launch(kernel, grid, args, meta, meta_key) -> None:
-    options = {k: meta[k] for k in ("maxnreg",) if k in meta}
-    if options:
+    if "maxnreg" in meta:  # the config holds every launch option, the call none of them
+        options = {k: meta[k] for k in ("maxnreg", *_WRAP_OPTIONS) if k in meta}
         key = (id(kernel), meta_key)
         if key not in _TUNED:
-            options.update((k, meta[k]) for k in _WRAP_OPTIONS if k in meta)
             _TUNED[key] = triton.autotune([triton.Config({}, **options)], key=[])(kernel)
         kernel = _TUNED[key]
         meta = {k: v for k, v in meta.items() if k not in options}
