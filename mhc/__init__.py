@@ -14,11 +14,14 @@
 The names users reach for are also importable from ``mhc`` itself.
 """
 
+from mhc._sharding import register_rules
 from mhc.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.layer import FusedMHC, sinkhorn
 from mhc.losses import LinearCrossEntropy, linear_cross_entropy
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse, StreamExpand, expand_streams, reduce_streams
 from mhc.recompute import recompute_streams
+
+register_rules()  # DTensor runs the ops above per token (mhc._sharding)
 
 __version__ = "0.1.0"
 

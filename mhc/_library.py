@@ -36,7 +36,7 @@ import torch
 from mhc import _compat
 from mhc._compat import write_analysis as _write_analysis
 
-__all__ = ["TRITON_OP", "kernel_op"]
+__all__ = ["TRITON_OP", "REGISTERED", "kernel_op"]
 
 TRITON_OP = (
     hasattr(torch.library, "triton_op")
@@ -44,6 +44,8 @@ TRITON_OP = (
     and os.environ.get("MHC_TRITON_OP", "1") != "0"
     and importlib.util.find_spec("triton") is not None
 )
+
+REGISTERED: list[str] = []  # the names of the ops registered so far ("mhc::...")
 
 _compat.backport_checkpoint_tags()  # the sites' Functions inside checkpointed regions, compiled
 
@@ -58,6 +60,7 @@ def kernel_op(name: str, fake, opaque: bool = False):
     each allocates its output with ``aten.empty``, which that pass leaves alone."""
 
     def register(fn):
+        REGISTERED.append(name)
         if opaque or not TRITON_OP:
             op = torch.library.custom_op(name, fn, mutates_args=())
             op.register_fake(fake)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mhc._sharding import is_dtensor
 from mhc.mixing import LaneMixer, StreamCollapse, StreamExpand
 from mhc.sites import Site
 
@@ -134,7 +135,7 @@ def _reduce_partial_grad(param: nn.Parameter) -> None:
 def _to_local_shard(sequence_dim: int):
     def hook(module, args, kwargs):
         module._mhc_dtensor_input = None
-        if not args or not _is_dtensor(args[0]):
+        if not args or not is_dtensor(args[0]):
             return None
         x = args[0]
         from torch.distributed.tensor import Shard
@@ -162,9 +163,3 @@ def _to_dtensor_like_input(module, args, kwargs, output):
     if isinstance(output, tuple):
         return (DTensor.from_local(output[0], mesh, placements), *output[1:])
     return DTensor.from_local(output, mesh, placements)
-
-
-def _is_dtensor(x) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)

@@ -12,8 +12,9 @@ from torch import nn
 
 from mhc import reference
 from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
-from mhc._compat import dispatch_mode_active
+from mhc._compat import through_ops
 from mhc._library import kernel_op
+from mhc._sharding import is_dtensor, on_local_shards
 
 __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
 
@@ -85,11 +86,11 @@ def _sinkhorn_eps_bwd_op(logits: torch.Tensor, grad_out: torch.Tensor, iters: in
     return _kernels().sinkhorn_eps_bwd(logits, grad_out, iters, eps)
 
 
-def sinkhorn_launchers():
-    """``(forward, exact backward, implicit backward, eps forward, eps backward)``: the kernels'
-    launchers in eager mode, the registered ops while ``torch.compile`` traces or a dispatch mode
-    watches."""
-    if torch.compiler.is_compiling() or dispatch_mode_active():
+def sinkhorn_launchers(x: torch.Tensor):
+    """``(forward, exact backward, implicit backward, eps forward, eps backward)`` for inputs like
+    ``x``: the kernels' launchers in eager mode, the registered ops while ``torch.compile`` traces,
+    a dispatch mode watches or ``x`` is a ``DTensor`` (:func:`mhc._compat.through_ops`)."""
+    if through_ops(x):
         ops = torch.ops.mhc
         return ops.sinkhorn_fwd, ops.sinkhorn_bwd, ops.sinkhorn_implicit_bwd, ops.sinkhorn_eps_fwd, ops.sinkhorn_eps_bwd
     k = _kernels()
@@ -107,7 +108,7 @@ def sinkhorn_launchers():
 def sinkhorn_bwd_launch(saved: torch.Tensor, grad_out: torch.Tensor, iters: int, backward: str, eps: float):
     """The backward matching :class:`SinkhornFunction`'s forward: ``saved`` is the logits for the
     exact backward, the output for the implicit one."""
-    _, bwd, implicit_bwd, _, eps_bwd = sinkhorn_launchers()
+    _, bwd, implicit_bwd, _, eps_bwd = sinkhorn_launchers(saved)
     if eps > 0:
         return eps_bwd(saved, grad_out, iters, eps)
     if backward == "exact":
@@ -120,7 +121,7 @@ class SinkhornFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int, backward: str, eps: float) -> torch.Tensor:
-        fwd, _, _, eps_fwd, _ = sinkhorn_launchers()
+        fwd, _, _, eps_fwd, _ = sinkhorn_launchers(logits)
         out = fwd(logits, iters) if eps == 0 else eps_fwd(logits, iters, eps)
         # exact: only the input, every iterate is recomputed; implicit: only the output
         ctx.save_for_backward(logits if backward == "exact" else out)
@@ -256,6 +257,8 @@ def sinkhorn(
     _check_logits(logits)
     eps = check_settings(iters, backward, backend, eps)
     backend = _resolve_backend(logits, backend, eps)
+    if is_dtensor(logits):  # one Sinkhorn per matrix: on each rank's matrices
+        return on_local_shards(lambda m: sinkhorn(m, iters, backward, backend, eps), logits, block_dims=2)
     if backend == "torch":
         return _sinkhorn_torch(logits, iters, backward, eps)
     n = logits.shape[-1]

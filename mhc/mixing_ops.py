@@ -23,7 +23,7 @@ import torch
 
 from mhc._autograd import refuse_double_backward
 from mhc._checks import MAX_STREAMS, check_settings
-from mhc._compat import dispatch_mode_active, materialized
+from mhc._compat import materialized, through_ops
 from mhc._library import kernel_op
 from mhc.layer import _kernels, sinkhorn_bwd_launch
 from mhc.rebuild import steps_of
@@ -159,7 +159,7 @@ def _stream_mix_bwd_compiled(*args):
 
 
 _EAGER = None
-_COMPILED = SimpleNamespace(
+_OPS = SimpleNamespace(
     stream_mix_fwd=lambda *a: torch.ops.mhc.stream_mix_fwd(*a),
     stream_mix_bwd=_stream_mix_bwd_compiled,
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
@@ -168,12 +168,13 @@ _COMPILED = SimpleNamespace(
 )
 
 
-def _launchers():
-    """The kernels' launchers in eager mode, the registered ops while ``torch.compile`` traces or
-    a dispatch mode watches (selective activation checkpointing decides per op)."""
+def _launchers(x: torch.Tensor):
+    """The kernels' launchers for streams like ``x`` in eager mode; the registered ops while
+    ``torch.compile`` traces, a dispatch mode watches (selective activation checkpointing decides
+    per op) or ``x`` is a ``DTensor`` (:func:`mhc._compat.through_ops`)."""
     global _EAGER
-    if torch.compiler.is_compiling() or dispatch_mode_active():
-        return _COMPILED
+    if through_ops(x):
+        return _OPS
     if _EAGER is None:
         k = _kernels()  # the launches without the public launchers' argument checks (host time)
         _EAGER = SimpleNamespace(
@@ -219,7 +220,7 @@ def _tokens_of(x: torch.Tensor, d: int) -> tuple:
 
 def fused_mix(x, h_res, y, h_post):
     """One post-mix step on the fused path (the forward's kernel): what rebuilds streams there."""
-    return _launchers().stream_mix_fwd(x, h_res, y, h_post)
+    return _launchers(x).stream_mix_fwd(x, h_res, y, h_post)
 
 
 def _save_with_streams(ctx, x, at, linked, link, recipe, *tensors) -> tuple:
@@ -262,7 +263,7 @@ def _rebuild(at, recipe, more_steps: tuple, anchor):
         return at.get(start, steps_of((start, *steps)), fused_mix) if steps else start
     x = start
     for i in range(0, len(steps), 3):
-        x = _launchers().stream_recompute(x, *steps[i : i + 3], anchor)
+        x = _launchers(x).stream_recompute(x, *steps[i : i + 3], anchor)
     return x
 
 
@@ -274,7 +275,7 @@ class PreMixFunction(torch.autograd.Function):
     def forward(ctx, x, h_pre, at=None, linked=False, link=None, *recipe):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
-        x_in = _launchers().stream_mix_fwd(x, h_pre[:, None, :], None, None)
+        x_in = _launchers(x).stream_mix_fwd(x, h_pre[:, None, :], None, None)
         extra = _save_with_streams(ctx, x, at, linked, link, recipe, h_pre)
         return torch.ops.aten._unsafe_view(x_in, _tokens_of(x, x.shape[-1])), x, *extra
 
@@ -287,7 +288,7 @@ class PreMixFunction(torch.autograd.Function):
         anchor = _anchor(ctx, grad_link, grad_x_in)
         (h_pre,), x = _saved_and_streams(ctx, anchor)
         ctx.at = None  # the streams' cache is freed once no Function of the site needs it
-        dx, _, dh_pre, _ = _launchers().stream_mix_bwd(
+        dx, _, dh_pre, _ = _launchers(x).stream_mix_bwd(
             x, h_pre[:, None, :], None, None, grad_x_in.unsqueeze(-2), grad_x_pass, True
         )
         return dx, dh_pre.view(h_pre.shape), *_grads_after(ctx, anchor)
@@ -303,7 +304,7 @@ class PostMixFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         x = x.contiguous()
         extra = _save_with_streams(ctx, x, at, linked, link, recipe, y, h_post, h_res)
-        out = _launchers().stream_mix_fwd(x, h_res, y, h_post)
+        out = _launchers(x).stream_mix_fwd(x, h_res, y, h_post)
         return (out, *extra) if extra else out
 
     @staticmethod
@@ -315,7 +316,7 @@ class PostMixFunction(torch.autograd.Function):
         anchor = _anchor(ctx, grad_link, grad_out)
         (y, h_post, h_res), x = _saved_and_streams(ctx, anchor)
         ctx.at = None
-        dx, dy, dh_res, dh_post = _launchers().stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
+        dx, dy, dh_res, dh_post = _launchers(x).stream_mix_bwd(x, h_res, y, h_post, grad_out, None, True)
         return dx, dy, dh_post, dh_res, *_grads_after(ctx, anchor)
 
 
@@ -387,7 +388,7 @@ class MHCPreMixFunction(torch.autograd.Function):
     ):
         params = (phi, alpha, bias)
         x = x.contiguous()
-        x_in, *outputs = _launchers().coefficients_fwd(x, *params, iters, eps, hc_eps)
+        x_in, *outputs = _launchers(x).coefficients_fwd(x, *params, iters, eps, hc_eps)
         extra = _save_coefficients(ctx, x, params, outputs, (iters, backward, eps, hc_eps), at, linked, link, recipe)
         return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x, *extra
 
@@ -401,7 +402,7 @@ class MHCPreMixFunction(torch.autograd.Function):
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
             ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
         )
-        dx, packed = _launchers().coefficients_bwd(
+        dx, packed = _launchers(x).coefficients_bwd(
             x,
             phi,
             alpha,
@@ -459,7 +460,7 @@ class MHCSeamFunction(torch.autograd.Function):
         *recipe,
     ):
         params = (phi, alpha, bias)
-        run = _launchers()
+        run = _launchers(x)
         x = x.contiguous()
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
@@ -501,7 +502,7 @@ class MHCSeamFunction(torch.autograd.Function):
         dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
             ctx, x_next, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
         )
-        run = _launchers()
+        run = _launchers(x_next)
         dx_next, packed = run.coefficients_bwd(
             x_next,
             phi,

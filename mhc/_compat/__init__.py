@@ -33,8 +33,8 @@ import os
 
 import torch
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "marked_must_save", "top_saved_tensor_hooks",
-           "in_backward", "materialized"]  # fmt: skip
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "through_ops", "marked_must_save",
+           "top_saved_tensor_hooks", "in_backward", "materialized"]  # fmt: skip
 
 
 _TAGS = ("ac_graph_id", "recompute")
@@ -46,6 +46,17 @@ def dispatch_mode_active() -> bool:
     mode sees, instead of launching them directly."""
     stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return stack is not None and stack() > 0
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def through_ops(x: torch.Tensor) -> bool:
+    """Whether the fused layers call their kernels through the registered ops for inputs like
+    ``x``, rather than launching them directly: while ``torch.compile`` traces, under a
+    ``TorchDispatchMode``, and for a tensor subclass such as ``DTensor``, whose dispatch only the
+    ops reach (a launcher reads raw data pointers)."""
+    return type(x) not in _PLAIN or torch.compiler.is_compiling() or dispatch_mode_active()
 
 
 def materialized(t: torch.Tensor) -> torch.Tensor:
