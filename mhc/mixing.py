@@ -29,6 +29,7 @@ from torch import nn
 from mhc._checks import (
     MAX_STREAMS,
     check_floating,
+    check_local,
     check_operand,
     check_same_device,
     check_settings,
@@ -126,6 +127,7 @@ class StreamExpand(nn.Module):
         assign(self.embedding, torch.zeros(self.embedding.shape, dtype=self.embedding.dtype))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        check_local(h, self)
         (embedding,) = local_parameters(self, (self.embedding,))
         return expand_streams(h, self.n_streams, embedding)
 
@@ -206,11 +208,13 @@ class StreamCollapse(nn.Module):
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
+        check_local(x, self)
         check_same_device(x, self.phi.device, "x", "the layer's parameters")
         return collapse_weights(x, *self._parameters_for_ops(), self.rms_eps, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_streams_shape(x, self.n_streams, self.dim, "x")
+        check_local(x, self)
         return stream_collapse(x, *self._parameters_for_ops(), self.rms_eps, self.eps, self.backend)
 
     def _parameters_for_ops(self):
@@ -486,6 +490,7 @@ class LaneMixer(nn.Module):
 
     def _check_input(self, x) -> None:
         check_streams_shape(x, self.n_lanes, self.dim, "x")
+        check_local(x, self)
         check_same_device(x, self.logits.device, "x", "the layer's parameters")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

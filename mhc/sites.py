@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from einops import einsum
 
-from mhc._checks import MAX_STREAMS, check_same_device, check_streams_shape
+from mhc._checks import MAX_STREAMS, check_local, check_same_device, check_streams_shape
 from mhc._compat import materialized
 from mhc._local import local_parameters
 from mhc.layer import _kernels
@@ -154,6 +154,7 @@ class Site:
     def _check_input(self, x) -> None:
         # every parameter: the kernels take their addresses as they are (no driver check per launch)
         check_streams_shape(x, self.n_streams, self.dim, "x")
+        check_local(x, self)
         for p in self.mixing_parameters():
             if p is not None:
                 check_same_device(x, p.device, "x", "the layer's parameters")

@@ -259,3 +259,23 @@ def test_fused_site_compiles_on_token_shards(mesh):
     out = torch.compile(site_through_functions, fullgraph=True)(dx, *params)
     assert out.placements == (Shard(0),)
     torch.testing.assert_close(out.to_local(), site_through_functions(x.chunk(2)[0], phi, alpha, bias))
+
+
+@pytest.mark.parametrize("kind", ["HyperConnection", "LaneMixer", "StreamCollapse", "StreamExpand"])
+def test_module_refuses_dtensor_streams_without_parallelize_sites(mesh, kind):
+    """A module's parameters are plain tensors until ``parallelize_sites`` replicates them: a
+    ``DTensor`` input is refused with what to do, rather than failing inside an op."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse, StreamExpand
+
+    module = {
+        "HyperConnection": lambda: HyperConnection(D, N, branch=torch.nn.Identity()),
+        "LaneMixer": lambda: LaneMixer(N, D),
+        "StreamCollapse": lambda: StreamCollapse(D, N),
+        "StreamExpand": lambda: StreamExpand(N, D),
+    }[kind]().to(KERNEL_DEVICE)
+    shape = (2, T, D) if kind == "StreamExpand" else (2, T, N, D)
+    x = DTensor.from_local(torch.randn(shape, device=KERNEL_DEVICE), mesh, [Shard(1)], run_check=False)
+    with pytest.raises(TypeError, match="parallelize_sites"):
+        module(x)
