@@ -69,11 +69,12 @@ class DynamicMHC:
 
     fused_coefficients = True  # one kernel computes them with the pre-mix; the seam needs this
 
-    def logits(self, site, x: torch.Tensor):
+    def logits(self, site, x: torch.Tensor, parameters=None):
         """``(a_pre * pre, a_post * post, a_res * res)``: the gated projections before the biases,
-        ``[..., n]``, ``[..., n]``, ``[..., n, n]``."""
+        ``[..., n]``, ``[..., n]``, ``[..., n, n]``. ``parameters``: ``site.compute_parameters()``
+        if the caller has them (a sequence-parallel site's are new local tensors each call)."""
         n = site.n_streams
-        phi, alpha, _ = site.compute_parameters()
+        phi, alpha, _ = parameters or site.compute_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
@@ -82,10 +83,11 @@ class DynamicMHC:
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
     def reference(self, site, x: torch.Tensor):
-        bias = site.compute_parameters()[2]
+        parameters = site.compute_parameters()
+        bias = parameters[2]
         dtype = coefficient_dtype(x, bias)
         b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
-        pre, post, res = self.logits(site, x)
+        pre, post, res = self.logits(site, x, parameters)
         pre, post, res = b_pre + pre, b_post + post, b_res + res
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
@@ -117,8 +119,8 @@ class DynamicHC:
 
     fused_coefficients = False
 
-    def logits(self, site, x: torch.Tensor):
-        phi, alpha, _ = site.compute_parameters()
+    def logits(self, site, x: torch.Tensor, parameters=None):
+        phi, alpha, _ = parameters or site.compute_parameters()
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = as_coefficient_dtype(x, dtype)
@@ -126,10 +128,11 @@ class DynamicHC:
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):
-        bias = site.compute_parameters()[2]
+        parameters = site.compute_parameters()
+        bias = parameters[2]
         dtype = coefficient_dtype(x, bias)
         b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
-        pre, post, res = self.logits(site, x)
+        pre, post, res = self.logits(site, x, parameters)
         return b_pre + pre, b_post + post, b_res + res
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
