@@ -2,6 +2,7 @@
 
     python -m bench.tensor_parallel                                   # one GPU, whole sequences
     torchrun --nproc_per_node=2 -m bench.tensor_parallel              # TP + SP over 2 GPUs
+    torchrun --nproc_per_node=2 -m bench.tensor_parallel --compile    # each site / branch compiled
 
 ``layers`` blocks of causal attention (``RMSNorm``, q/k/v/out projections, ``d / 128`` heads) and an
 MLP (``RMSNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d)``), each branch around a plain residual or
@@ -102,6 +103,9 @@ def build(arm: str, args, world: int):
     model = Blocks(arm, args.dim, args.layers).cuda().to(torch.bfloat16)
     if world > 1:
         parallelize(model, world)
+    if args.compile:  # after tensor parallel, as torchtitan orders them: one graph per site or branch
+        for unit in model.sites if model.sites is not None else model.branches:
+            unit.compile(dynamic=False)
     seq = args.seq // world
     h = torch.randn(args.tokens // args.seq, seq, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(h)
@@ -151,6 +155,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["plain", "mhc"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="count the collectives of one step per arm")
+    p.add_argument("--compile", action="store_true", help="compile each site (mHC) or branch (plain)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
