@@ -97,10 +97,9 @@ def _stream_mix_bwd(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
 
 
 def _coefficients_fwd(x, phi, alpha, bias, iters, eps, hc_eps):
-    args = (x, phi, alpha, bias, iters, eps, hc_eps)
-    if x.ndim != 3:  # the coefficients are per flattened token: [T, n, d] shards like them
-        return _strategies(args, outputs=7, replicated=(1, 2, 3))[:1]
-    return _strategies(args, outputs=7, replicated=(1, 2, 3))
+    # outputs per flattened token: only streams [T, n, d] shard like them
+    strategies = _strategies((x, phi, alpha, bias, iters, eps, hc_eps), outputs=7, replicated=(1, 2, 3))
+    return strategies if x.ndim == 3 else strategies[:1]
 
 
 def _coefficients_bwd(x, phi, alpha, *rest):
