@@ -279,3 +279,31 @@ def test_module_refuses_dtensor_streams_without_parallelize_sites(mesh, kind):
     x = DTensor.from_local(torch.randn(shape, device=KERNEL_DEVICE), mesh, [Shard(1)], run_check=False)
     with pytest.raises(TypeError, match="parallelize_sites"):
         module(x)
+
+
+def test_functional_mixes_run_on_token_shards(mesh):
+    """``pre_mix`` and ``post_mix`` (the Functions without a site) on token-sharded streams and
+    coefficients, forward and backward: no collective, each rank's tokens as on their own."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from mhc.mixing_ops import post_mix, pre_mix
+
+    g = torch.Generator().manual_seed(4)
+    x, y, grad = randn(T, N, D, g=g), randn(T, D, g=g), randn(T, N, D, g=g)
+    h_pre, h_post, h_res = (torch.rand(*s, generator=g).to(KERNEL_DEVICE) for s in ((T, N), (T, N), (T, N, N)))
+
+    def mix(x, y, h_pre, h_post, h_res):
+        x_in, x_pass = pre_mix(x, h_pre)
+        return post_mix(x_pass, y * x_in, h_post, h_res)
+
+    leaves = [t.detach().requires_grad_() for t in as_dtensors((x, y, h_pre, h_post, h_res), mesh, sharded=True)]
+    with CommDebugMode() as comm:
+        out = mix(*leaves)
+        out.backward(as_dtensors((grad,), mesh, sharded=True)[0])
+    assert comm.get_total_counts() == 0
+    want = [t.clone().requires_grad_() for t in rank_zero_args((x, y, h_pre, h_post, h_res))]
+    ref = mix(*want)
+    ref.backward(grad.chunk(2)[0])
+    torch.testing.assert_close(out.to_local(), ref, rtol=1e-6, atol=1e-6)
+    for got, expected in zip(leaves, want):
+        torch.testing.assert_close(got.grad.to_local(), expected.grad, rtol=1e-6, atol=1e-6)
