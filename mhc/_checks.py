@@ -57,7 +57,7 @@ def check_streams_shape(x: torch.Tensor, n: int, dim: int | None, what: str) -> 
 def check_local(x: torch.Tensor, module) -> None:
     """``DTensor`` inputs reach an ``mhc`` module's forward only as local shards, through
     :func:`mhc.distributed.parallelize_sites` (which also makes its parameters ``DTensor``\\ s)."""
-    if type(x) is not torch.Tensor and is_dtensor(x):
+    if is_dtensor(x):
         name = type(module).__name__
         raise TypeError(
             f"{name} got a DTensor input but its parameters are plain tensors: call "

@@ -12,6 +12,8 @@ declared a partial sum (``Partial``): each rank's gradient covers its own tokens
 
 from __future__ import annotations
 
+from mhc._sharding import is_dtensor
+
 __all__ = ["assign", "local_parameters"]
 
 
@@ -24,10 +26,10 @@ def local_parameters(module, params: tuple) -> tuple:
 
 
 def _local(p):
-    from torch.distributed.tensor import DTensor, Partial
-
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return p
+    from torch.distributed.tensor import Partial
+
     return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
 
 
