@@ -26,6 +26,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+# Inductor's C++ code generation costs tens of seconds a test on a CPU. Tests about tracing
+# (Dynamo, AOTAutograd, Inductor's partitioner) compile with this backend, which runs the
+# partitioned graphs as they are there; a GPU runs them through Inductor.
+COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager_decomp_partition"
 
 
 def pytest_configure(config):

@@ -16,7 +16,7 @@ from torch import nn
 
 from mhc import mixing_ops
 from mhc.mixing import HyperConnection, collect_h_res
-from tests.conftest import HAS_CUDA, KERNEL_DEVICE
+from tests.conftest import COMPILE_BACKEND, HAS_CUDA, KERNEL_DEVICE
 from tests.site_stack import through_sites
 from tests.test_mixing_fused import Branch
 
@@ -220,7 +220,7 @@ def test_torch_compile_fullgraph_matches_eager():
         return through_sites(model, x, chain=True)
 
     want = run_chain(sites, x, grad, chained=True)
-    compiled = torch.compile(forward, fullgraph=True)
+    compiled = torch.compile(forward, fullgraph=True, backend=COMPILE_BACKEND)
     xc = x.clone().requires_grad_()
     model.zero_grad(set_to_none=True)
     out = compiled(xc)

@@ -26,7 +26,7 @@ from mhc.mixing import (
     collect_h_res,
     expand_streams,
 )
-from tests.conftest import HAS_CUDA, KERNEL_DEVICE
+from tests.conftest import COMPILE_BACKEND, HAS_CUDA, KERNEL_DEVICE
 
 DEVICE = KERNEL_DEVICE
 
@@ -206,7 +206,7 @@ def test_torch_compile_fullgraph_matches_eager():
     fused, _ = layer_pair(12, 3, seed=5)
     x, grad = torch.randn(4, 3, 12, device=DEVICE), torch.randn(4, 3, 12, device=DEVICE)
     want = run(fused, x, grad)
-    compiled = torch.compile(fused, fullgraph=True)
+    compiled = torch.compile(fused, fullgraph=True, backend=COMPILE_BACKEND)
     got = {k.replace("_orig_mod.", ""): v for k, v in run(compiled, x, grad).items()}
     assert_all_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
 from mhc.recompute import StreamRecompute, optimal_block, recompute_streams
 from mhc.sites import reference_post_mix
-from tests.conftest import KERNEL_DEVICE
+from tests.conftest import COMPILE_BACKEND, KERNEL_DEVICE
 
 BACKENDS = ["torch", "triton"]
 # a few Sinkhorn iterations: the rebuilt streams do not depend on their number (the kernels run
@@ -302,7 +302,7 @@ def test_compiled_fused_path_matches_eager():
         want = gradients(model, h, grad)
         recompute_streams(model, 3)
         torch._dynamo.reset()
-        got = gradients(torch.compile(model, fullgraph=True), h, grad)
+        got = gradients(torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND), h, grad)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
