@@ -36,7 +36,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
+# Their tests launch processes (torchrun, the examples) and run longest: started first, the two
+# workers of `pytest -n 2` finish together rather than one running them alone at the end.
+FIRST = ("test_train_toy_lm.py", "test_sequence_parallel.py", "test_distributed.py", "test_weak_scaling.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the order within stays
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
