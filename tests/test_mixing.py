@@ -266,7 +266,7 @@ def test_tiny_transformer_learns_a_sequence_task():
     opt = torch.optim.AdamW(params, lr=3e-3)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
     losses = []
-    for step in range(150):
+    for step in range(150):  # until the loss has halved (about 40 steps), at most 150
         start = torch.randint(0, vocab, (32, 2))
         toks = [start[:, 0], start[:, 1]]
         for _ in range(seq - 1):
@@ -281,4 +281,6 @@ def test_tiny_transformer_learns_a_sequence_task():
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+        if len(losses) >= 20 and sum(losses[-10:]) < 0.5 * sum(losses[:10]):
+            break
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10]), losses
