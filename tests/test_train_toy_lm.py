@@ -100,6 +100,8 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         toy.main(common + ["--out-dir", str(tmp_path / "resumed")])
     monkeypatch.setattr(toy, "batch_for_step", batch_for_step)
+    # the resume starts from this checkpoint, not from scratch (which would also end equal)
+    assert torch.load(tmp_path / "resumed/mhc_seed0.pt", weights_only=False)["step"] == 4
     toy.main(common + ["--out-dir", str(tmp_path / "resumed"), "--resume"])
     straight, resumed = (
         final_params(tmp_path / "straight/mhc_seed0.pt"),
