@@ -178,14 +178,12 @@ def test_two_processes_equal_one(tmp_path, engine):
     near zero (b_pre) it turns rounding differences of the reduction into visible updates."""
     args = ["--residual", "mhc", "--eval-every", "3", "--log-every", "1", "--checkpoint-every", "2"] + TINY
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    launches = (
-        [["--steps", "3"]] if engine == "ddp" else [["--fsdp", "--steps", "2"], ["--fsdp", "--steps", "3", "--resume"]]
-    )
-    for flags in launches:
-        torchrun([SCRIPT] + args + flags + ["--out-dir", tmp_path / engine], env=env, cwd=ROOT, timeout=300)
+    launches = [(3, [])] if engine == "ddp" else [(2, ["--fsdp"]), (3, ["--fsdp", "--resume"])]  # (last step, flags)
+    for steps, flags in launches:
+        out = ["--steps", str(steps), "--out-dir", tmp_path / engine]
+        torchrun([SCRIPT] + args + flags + out, env=env, cwd=ROOT, timeout=300)
         # each launch ends with a checkpoint of its last step: the resumed launch starts at step 2
-        last = torch.load(tmp_path / engine / "mhc_seed0.pt", weights_only=False)["step"]
-        assert last == int(flags[flags.index("--steps") + 1])
+        assert torch.load(tmp_path / engine / "mhc_seed0.pt", weights_only=False)["step"] == steps
     subprocess.run(
         [sys.executable, str(SCRIPT)] + args + ["--steps", "3", "--out-dir", str(tmp_path / "single")],
         check=True,
