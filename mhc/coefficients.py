@@ -28,6 +28,8 @@ import math
 import torch
 from einops import rearrange
 
+from mhc import cpu
+from mhc.cpu import projection as cpu_projection
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
 from mhc.rebuild import function_args, function_outputs, note_conversion, reference_scope
@@ -43,6 +45,13 @@ def coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
     return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
+
+
+def normalized_projection(v: torch.Tensor, phi: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(v / RMS(v)) @ phi`` over the last dim of ``v`` (one op on a CPU, :mod:`mhc.cpu.projection`)."""
+    if cpu.runs_on(v, phi):
+        return cpu_projection.normalized_projection(v, phi, eps)
+    return (v @ phi) * rms_inverse(v, eps)
 
 
 def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,7 +87,7 @@ class DynamicMHC:
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
-        proj = (v @ phi.to(dtype)) * rms_inverse(v, site.rms_eps)
+        proj = normalized_projection(v, phi.to(dtype), site.rms_eps)
         pre, post, res = proj.split([n, n, n * n], dim=-1)
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
@@ -124,7 +133,7 @@ class DynamicHC:
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = as_coefficient_dtype(x, dtype)
-        proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi.to(dtype))  # [..., s, n + 2]
+        proj = torch.tanh(normalized_projection(xf, phi.to(dtype), site.rms_eps))  # [..., s, n + 2]
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):

@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 from einops import einsum
 
+from mhc import cpu
 from mhc._checks import MAX_STREAMS, check_local, check_same_device, check_streams_shape
 from mhc._compat import materialized
 from mhc._local import local_parameters
+from mhc.cpu import mixing as cpu_mixing
 from mhc.layer import _kernels
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
@@ -67,7 +69,10 @@ def branch_output(out, shape, device):
 
 
 def reference_pre_mix(x, h_pre):
-    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype."""
+    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype (one loop on a CPU,
+    :mod:`mhc.cpu`)."""
+    if cpu.runs_on(x, h_pre) and h_pre.shape == x.shape[:-1]:
+        return cpu_mixing.pre_mix(x, h_pre)
     if x.dtype == torch.float32:
         # a broadcast sum: einsum's batched matmul of m = 1 has a far slower backward on CPUs
         return (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
@@ -77,7 +82,10 @@ def reference_pre_mix(x, h_pre):
 
 def reference_post_mix(x, h_res, y, h_post):
     """The reference post-mix ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y`` in ``x``'s dtype (also
-    the step that rebuilds streams on the reference path)."""
+    the step that rebuilds streams on the reference path; one loop on a CPU, :mod:`mhc.cpu`)."""
+    lead = x.shape[:-1]  # [..., n]: the C loops take no broadcasting
+    if cpu.runs_on(x, h_res, y, h_post) and h_res.shape[:-1] == h_post.shape == lead == y.shape[:-1] + lead[-1:]:
+        return cpu_mixing.post_mix(x, h_res, y, h_post)
     dtype = x.dtype
     mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
     # the outer product by broadcasting: einsum makes it a batched matmul of k = 1, far slower on CPUs

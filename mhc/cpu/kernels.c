@@ -1,0 +1,295 @@
+/* The CPU path's fused loops: Sinkhorn-Knopp with its exact backward, and the site's pre-mix and
+ * post-mix with their backwards. fp32, contiguous, row-major; the Python side checks the layouts.
+ *
+ * Each function does in one pass over memory what the PyTorch reference does in dozens of small
+ * ops (mhc/reference.py, mhc/sites.py), the same arithmetic in the same order per value, so that
+ * results agree with the reference within fp32 rounding. Sinkhorn works on blocks of BLOCK
+ * tokens with the token index innermost: the compiler turns every loop over a block into vector
+ * instructions, and a block's iterates stay in cache for the backward, which recomputes them
+ * (only the logits are saved, as on the GPU). Built by mhc/cpu/_build.py at first use. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 16
+#define LANES 8
+
+/* sum_k a[k] b[k] in LANES partial sums: independent lanes vectorise without reassociating */
+static float dot(const float *a, const float *b, int64_t d) {
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= d; k += LANES)
+        for (int64_t l = 0; l < LANES; l++) acc[l] += a[k + l] * b[k + l];
+    float total = 0.0f;
+    for (int64_t l = 0; l < LANES; l++) total += acc[l];
+    for (; k < d; k++) total += a[k] * b[k];
+    return total;
+}
+
+/* entry (r, c) of token b in a block: m[(r * n + c) * BLOCK + b] */
+#define AT(m, r, c) ((m) + ((r) * n + (c)) * BLOCK)
+
+/* max that keeps a NaN, as torch.amax does (fmaxf drops it, and is a library call) */
+static inline float max_nan(float top, float v) { return (v > top || v != v) ? v : top; }
+
+static void load_block(float *dst, const float *src, int64_t t0, int64_t count, int64_t n) {
+    int64_t nn = n * n;
+    for (int64_t b = 0; b < BLOCK; b++) {
+        /* past the last token: zeros (a uniform matrix), computed and never stored */
+        const float *row = b < count ? src + (t0 + b) * nn : NULL;
+        for (int64_t k = 0; k < nn; k++) dst[k * BLOCK + b] = row ? row[k] : 0.0f;
+    }
+}
+
+static void store_block(float *dst, const float *src, int64_t t0, int64_t count, int64_t n) {
+    int64_t nn = n * n;
+    for (int64_t b = 0; b < count; b++)
+        for (int64_t k = 0; k < nn; k++) dst[(t0 + b) * nn + k] = src[k * BLOCK + b];
+}
+
+/* p = softmax over rows r of each column c: the first (column) normalisation of exp(logits) */
+static void column_softmax(const float *z, float *p, int64_t n) {
+    for (int64_t c = 0; c < n; c++) {
+        float top[BLOCK], sum[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(z, r, c)[b]);
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) {
+                AT(p, r, c)[b] = expf(AT(z, r, c)[b] - top[b]);
+                sum[b] += AT(p, r, c)[b];
+            }
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) AT(p, r, c)[b] /= sum[b];
+    }
+}
+
+/* m = softmax over columns c of each row of (logits - logsumexp over rows): the first iteration
+ * in the log domain (mhc.reference._first_iteration_at) */
+static void first_iteration(const float *logits, float *m, int64_t n) {
+    for (int64_t c = 0; c < n; c++) {
+        float top[BLOCK], sum[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(logits, r, c)[b]);
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) sum[b] += expf(AT(logits, r, c)[b] - top[b]);
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = isinf(top[b]) ? top[b] : top[b] + logf(sum[b]);  /* logsumexp */
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] = AT(logits, r, c)[b] - sum[b];
+    }
+    for (int64_t r = 0; r < n; r++) {
+        float top[BLOCK], sum[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(m, r, c)[b]);
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t b = 0; b < BLOCK; b++) {
+                AT(m, r, c)[b] = expf(AT(m, r, c)[b] - top[b]);
+                sum[b] += AT(m, r, c)[b];
+            }
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] /= sum[b];
+    }
+}
+
+/* after = before / (sum of before along the step's axis + eps), as a product by the reciprocal
+ * (as the GPU kernels scale); inverse [n][BLOCK] keeps the reciprocals. columns: the sums run
+ * over rows r, one per column c; rows: over columns. */
+static void divide_step(const float *restrict before, float *restrict after, float *restrict inverse, int64_t n,
+                        int columns, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        float sum[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = columns ? AT(before, j, i) : AT(before, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) sum[b] += v[b];
+        }
+        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 1.0f / (sum[b] + eps);
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = columns ? AT(before, j, i) : AT(before, i, j);
+            float *w = columns ? AT(after, j, i) : AT(after, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) w[b] = v[b] * sum[b];
+        }
+        for (int64_t b = 0; b < BLOCK; b++) inverse[i * BLOCK + b] = sum[b];
+    }
+}
+
+/* grad <- (grad - sum(grad * after along the axis)) / sum: the backward of divide_step */
+static void divide_step_backward(float *restrict grad, const float *restrict after, const float *restrict inverse,
+                                 int64_t n, int columns) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *inv = inverse + i * BLOCK;
+        float inner[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float *g = columns ? AT(grad, j, i) : AT(grad, i, j);
+            const float *a = columns ? AT(after, j, i) : AT(after, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) inner[b] += g[b] * a[b];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *g = columns ? AT(grad, j, i) : AT(grad, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) g[b] = (g[b] - inner[b]) * inv[b];
+        }
+    }
+}
+
+/* Every iterate of one block: states[0] after the first iteration, then per remaining iteration
+ * the matrix after its column step and after its row step; inverses[k]: the reciprocal sums
+ * that made states[k] (k >= 1; inverses[0]: the first row step's when eps > 0). p: the column
+ * softmax when eps > 0, shifted: p + eps. */
+static void sinkhorn_block(const float *logits, float *states, float *inverses, float *p, float *shifted, int64_t n,
+                           int64_t iters, float eps) {
+    int64_t size = n * n * BLOCK;
+    if (eps > 0.0f) {
+        column_softmax(logits, p, n);
+        for (int64_t k = 0; k < size; k++) shifted[k] = p[k] + eps;
+        divide_step(shifted, states, inverses, n, 0, eps);
+    } else {
+        first_iteration(logits, states, n);
+    }
+    for (int64_t k = 1; k < 2 * iters - 1; k++)
+        divide_step(states + (k - 1) * size, states + k * size, inverses + k * n * BLOCK, n, k % 2, eps);
+}
+
+static int64_t block_floats(int64_t n, int64_t iters) {
+    /* states, inverses, p, p + eps, logits, grad */
+    return (2 * iters - 1) * n * n * BLOCK + (2 * iters - 1) * n * BLOCK + 4 * n * n * BLOCK;
+}
+
+int mhc_sinkhorn_forward(const float *logits, float *out, int64_t tokens, int64_t n, int64_t iters, float eps) {
+    float *work = malloc(sizeof(float) * block_floats(n, iters));
+    if (!work) return 1;
+    int64_t size = n * n * BLOCK;
+    float *states = work, *inverses = states + (2 * iters - 1) * size;
+    float *p = inverses + (2 * iters - 1) * n * BLOCK, *shifted = p + size, *block = shifted + size;
+    for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
+        int64_t count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
+        load_block(block, logits, t0, count, n);
+        sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
+        store_block(out, states + (2 * iters - 2) * size, t0, count, n);
+    }
+    free(work);
+    return 0;
+}
+
+/* The gradient of mhc_sinkhorn_forward's output w.r.t. the logits (mhc.reference's
+ * sinkhorn_exact_backward, with the iterates recomputed instead of rebuilt). */
+int mhc_sinkhorn_backward(const float *logits, const float *grad_out, float *grad_logits, int64_t tokens, int64_t n,
+                          int64_t iters, float eps) {
+    float *work = malloc(sizeof(float) * block_floats(n, iters));
+    if (!work) return 1;
+    int64_t size = n * n * BLOCK;
+    float *states = work, *inverses = states + (2 * iters - 1) * size;
+    float *p = inverses + (2 * iters - 1) * n * BLOCK, *shifted = p + size, *block = shifted + size;
+    float *grad = block + size;
+    for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
+        int64_t count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
+        load_block(block, logits, t0, count, n);
+        load_block(grad, grad_out, t0, count, n);
+        sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
+        for (int64_t k = 2 * iters - 2; k >= 1; k--)
+            divide_step_backward(grad, states + k * size, inverses + k * n * BLOCK, n, k % 2);
+        if (eps > 0.0f) {
+            /* states[0] = (p + eps) / inverses[0] (row step); then the column softmax */
+            divide_step_backward(grad, states, inverses, n, 0);
+            for (int64_t c = 0; c < n; c++) {
+                float inner[BLOCK];
+                for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t b = 0; b < BLOCK; b++) inner[b] += AT(grad, r, c)[b] * AT(p, r, c)[b];
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] = AT(p, r, c)[b] * (AT(grad, r, c)[b] - inner[b]);
+            }
+        } else {
+            /* states[0] = softmax over columns of z, z = logits - logsumexp over rows */
+            const float *first = states;
+            for (int64_t r = 0; r < n; r++) {
+                float inner[BLOCK];
+                for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
+                for (int64_t c = 0; c < n; c++)
+                    for (int64_t b = 0; b < BLOCK; b++) inner[b] += AT(grad, r, c)[b] * AT(first, r, c)[b];
+                for (int64_t c = 0; c < n; c++)
+                    for (int64_t b = 0; b < BLOCK; b++)
+                        AT(grad, r, c)[b] = AT(first, r, c)[b] * (AT(grad, r, c)[b] - inner[b]);
+            }
+            column_softmax(block, p, n);
+            for (int64_t c = 0; c < n; c++) {
+                float total[BLOCK];
+                for (int64_t b = 0; b < BLOCK; b++) total[b] = 0.0f;
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t b = 0; b < BLOCK; b++) total[b] += AT(grad, r, c)[b];
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] -= AT(p, r, c)[b] * total[b];
+            }
+        }
+        store_block(grad_logits, grad, t0, count, n);
+    }
+    free(work);
+    return 0;
+}
+
+/* pre-mix: out[t, k] = sum_s h[t, s] x[t, s, k]; x [T, n, d], h [T, n], out [T, d] */
+void mhc_pre_mix_forward(const float *x, const float *h, float *out, int64_t tokens, int64_t n, int64_t d) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * n * d, *ht = h + t * n;
+        float *o = out + t * d;
+        for (int64_t k = 0; k < d; k++) o[k] = ht[0] * xt[k];
+        for (int64_t s = 1; s < n; s++)
+            for (int64_t k = 0; k < d; k++) o[k] += ht[s] * xt[s * d + k];
+    }
+}
+
+/* grad_x[t, s, k] = h[t, s] g[t, k]; grad_h[t, s] = sum_k g[t, k] x[t, s, k] */
+void mhc_pre_mix_backward(const float *x, const float *h, const float *g, float *grad_x, float *grad_h,
+                          int64_t tokens, int64_t n, int64_t d) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * n * d, *ht = h + t * n, *gt = g + t * d;
+        for (int64_t s = 0; s < n; s++) {
+            for (int64_t k = 0; k < d; k++) grad_x[(t * n + s) * d + k] = ht[s] * gt[k];
+            grad_h[t * n + s] = dot(gt, xt + s * d, d);
+        }
+    }
+}
+
+/* post-mix: out[t, i, k] = sum_j h_res[t, i, j] x[t, j, k] + h_post[t, i] y[t, k] */
+void mhc_post_mix_forward(const float *x, const float *h_res, const float *y, const float *h_post, float *out,
+                          int64_t tokens, int64_t n, int64_t d) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d;
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + (t * n + i) * d;
+            for (int64_t k = 0; k < d; k++) o[k] = hr[i * n] * xt[k];
+            for (int64_t j = 1; j < n; j++)
+                for (int64_t k = 0; k < d; k++) o[k] += hr[i * n + j] * xt[j * d + k];
+            for (int64_t k = 0; k < d; k++) o[k] += h_post[t * n + i] * yt[k];
+        }
+    }
+}
+
+/* grad_x[t, j] = sum_i h_res[t, i, j] g[t, i]; grad_h_res[t, i, j] = <g[t, i], x[t, j]>;
+ * grad_y[t] = sum_i h_post[t, i] g[t, i]; grad_h_post[t, i] = <g[t, i], y[t]> */
+void mhc_post_mix_backward(const float *x, const float *h_res, const float *y, const float *h_post, const float *g,
+                           float *grad_x, float *grad_h_res, float *grad_y, float *grad_h_post, int64_t tokens,
+                           int64_t n, int64_t d) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d, *gt = g + t * n * d;
+        float *gx = grad_x + t * n * d, *gy = grad_y + t * d;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t k = 0; k < d; k++) gx[j * d + k] = hr[j] * gt[k];
+            for (int64_t i = 1; i < n; i++)
+                for (int64_t k = 0; k < d; k++) gx[j * d + k] += hr[i * n + j] * gt[i * d + k];
+        }
+        for (int64_t k = 0; k < d; k++) gy[k] = h_post[t * n] * gt[k];
+        for (int64_t i = 1; i < n; i++)
+            for (int64_t k = 0; k < d; k++) gy[k] += h_post[t * n + i] * gt[i * d + k];
+        for (int64_t i = 0; i < n; i++) {
+            grad_h_post[t * n + i] = dot(gt + i * d, yt, d);
+            for (int64_t j = 0; j < n; j++) grad_h_res[(t * n + i) * n + j] = dot(gt + i * d, xt + j * d, d);
+        }
+    }
+}
