@@ -48,6 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from mhc import cpu as mhc_cpu
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
 from mhc.sites import layer_backend
@@ -435,14 +436,18 @@ class GraphedStep:
         return self.out
 
 
-def site_path(model: nn.Module, device) -> str:
+def site_path(model: nn.Module, device, dtype: str) -> str:
     """What runs the model's hyper-connections: the fused Triton kernels or the PyTorch reference,
-    as the sites themselves decide (``mhc.sites.layer_backend``)."""
+    as the sites themselves decide (``mhc.sites.layer_backend``); on a CPU in fp32 the reference's
+    Sinkhorn and mixing run as C loops where they are built (``mhc.cpu``)."""
     site = next((m for m in model.modules() if isinstance(m, HyperConnection)), None)
     if site is None:
         return "plain residual"
     probe = torch.empty(0, site.n_streams, site.dim, device=device)
-    return "fused kernels" if layer_backend(probe, site.n_streams, site.backend) == "triton" else "PyTorch reference"
+    if layer_backend(probe, site.n_streams, site.backend) == "triton":
+        return "fused kernels"
+    loops = device.type == "cpu" and dtype == "float32" and mhc_cpu.available()
+    return "PyTorch reference, C loops" if loops else "PyTorch reference"
 
 
 def train(arm: str, args, source, device, rank: int, world: int) -> Path:
@@ -479,7 +484,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     optimum = source.optimum(args.seq_len)
     progress = _progress(args, rank, start, name)
     tokens_per_step = args.batch_size * args.seq_len
-    path = site_path(model, device)
+    path = site_path(model, device, args.dtype)
     tick, last_logged = time.perf_counter(), start
     graphed = (
         GraphedStep(trained, model, opt, args, device, (args.batch_size, args.seq_len + 1)) if args.cuda_graph else None
@@ -617,7 +622,7 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
             f"| {arm} | {_final(rs, 'path')} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} "
             f"| {_final(rs, 'peak_mem_mib'):.0f} | {gain} |"
         )
-    if any(_final(rs, "path") == "PyTorch reference" for rs in logs.values()):
+    if any(_final(rs, "path").startswith("PyTorch reference") for rs in logs.values()):
         lines += ["", "On a CPU the hyper-connections run the PyTorch reference path: its tokens/s say what mHC costs",
                   "there, not on a GPU, where the fused kernels run (README, Performance)."]  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
