@@ -47,11 +47,10 @@ def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
 
 
-def normalized_projection(v: torch.Tensor, phi: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(v / RMS(v)) @ phi`` over the last dim of ``v`` (one op on a CPU, :mod:`mhc.cpu.projection`)."""
-    if cpu.runs_on(v, phi):
-        return cpu_projection.normalized_projection(v, phi, eps)
-    return (v @ phi) * rms_inverse(v, eps)
+def projection_on_cpu_loops(v: torch.Tensor, phi: torch.Tensor) -> bool:
+    """Whether ``v``'s RMS projection runs as one op (:mod:`mhc.cpu.projection`): fp32 CPU tensors
+    (:func:`mhc.cpu.runs_on`), ``v`` contiguous (a stride-0 view of expanded streams would be copied)."""
+    return cpu.runs_on(v, phi) and v.is_contiguous()
 
 
 def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,7 +86,11 @@ class DynamicMHC:
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
-        proj = normalized_projection(v, phi.to(dtype), site.rms_eps)
+        phi = phi.to(dtype)
+        if projection_on_cpu_loops(v, phi):
+            proj = cpu_projection.normalized_projection(v, phi, site.rms_eps)
+        else:
+            proj = (v @ phi) * rms_inverse(v, site.rms_eps)
         pre, post, res = proj.split([n, n, n * n], dim=-1)
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
@@ -133,7 +136,11 @@ class DynamicHC:
         dtype = coefficient_dtype(x, phi)
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = as_coefficient_dtype(x, dtype)
-        proj = torch.tanh(normalized_projection(xf, phi.to(dtype), site.rms_eps))  # [..., s, n + 2]
+        phi = phi.to(dtype)
+        if projection_on_cpu_loops(xf, phi):
+            proj = torch.tanh(cpu_projection.normalized_projection(xf, phi, site.rms_eps))  # [..., s, n + 2]
+        else:
+            proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi)
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):

@@ -196,6 +196,11 @@ class _TorchExact(torch.autograd.Function):
         logits, *kept = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
             return differentiable_backward(logits, grad_out, ctx.iters, "exact", ctx.eps), None, None
+        if not kept and not cpu.runs_on(grad_out):  # a gradient the loops cannot read: a subclass
+            with torch.enable_grad():
+                saved = logits.detach().requires_grad_()
+                grad = differentiable_backward(saved, grad_out, ctx.iters, "exact", ctx.eps)
+            return grad.detach(), None, None
         if not kept:
             n = logits.shape[-1]
             flat = logits.reshape(-1, n, n).contiguous(), grad_out.reshape(-1, n, n).contiguous()

@@ -171,18 +171,56 @@ def test_mixing_loops_write_every_output(unwritten_is_nan):
     assert all(g.isfinite().all() for g in cpu.pre_mix_backward(x, h_post, grad[:, 0].contiguous()))
 
 
+def second_order(mix, inputs, grad):
+    """Gradients w.r.t. the inputs and ``grad`` of a random direction through the first-order
+    gradients of ``mix``, built with ``create_graph=True``."""
+    first = torch.autograd.grad(mix(*inputs), inputs, grad, create_graph=True)
+    directions = [randn(*f.shape, seed=20 + i) for i, f in enumerate(first)]
+    total = sum((f * v).sum() for f, v in zip(first, directions))
+    return torch.autograd.grad(total, (*inputs, grad), allow_unused=True)
+
+
 @needs_loops
-def test_mixing_double_backward():
-    inputs = mixing_inputs((4,), 3, 5, 1)
-    grad = randn(4, 3, 5, seed=7).requires_grad_()
-    directions = [randn(*t.shape, seed=8 + i) for i, t in enumerate(inputs)]
+@pytest.mark.parametrize("which", ["pre_mix", "post_mix"])
+def test_mixing_double_backward(which):
+    x, h_res, y, h_post = mixing_inputs((4,), 3, 5, 1)
+    if which == "pre_mix":
+        inputs, grad, formula = (x, h_post), randn(4, 5, seed=7), pre_mix_formula
+    else:
+        inputs, grad, formula = (x, h_res, y, h_post), randn(4, 3, 5, seed=7), post_mix_formula
+    grad.requires_grad_()
+    got = second_order(getattr(cpu_mixing, which), inputs, grad)
+    want = second_order(formula, inputs, grad)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
-    def second(mix):
-        first = torch.autograd.grad(mix(*inputs), inputs, grad, create_graph=True)
-        return torch.autograd.grad(sum((f * v).sum() for f, v in zip(first, directions)), (*inputs, grad))
 
-    for g, w in zip(second(cpu_mixing.post_mix), second(post_mix_formula)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+class Marked(torch.Tensor):
+    """A tensor subclass: what a tensor-parallel plan's asynchronous results look like to the loops."""
+
+
+@needs_loops
+def test_gradients_of_a_subclass_take_the_formulas():
+    """The backward reads no subclass's data pointer (an asynchronous collective's holds nothing
+    yet): a subclass gradient takes the PyTorch formulas, with the same values."""
+    inputs = mixing_inputs((6,), 4, 9, 2)
+    grad = randn(6, 4, 9, seed=3)
+    want = torch.autograd.grad(cpu_mixing.post_mix(*inputs), inputs, grad)
+    got = torch.autograd.grad(cpu_mixing.post_mix(*inputs), inputs, grad.as_subclass(Marked))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.as_subclass(torch.Tensor), w, rtol=1e-5, atol=1e-6)
+    x, h_pre, grad_in = inputs[0], inputs[3], randn(6, 9, seed=4)
+    want = torch.autograd.grad(cpu_mixing.pre_mix(x, h_pre), (x, h_pre), grad_in)
+    got = torch.autograd.grad(cpu_mixing.pre_mix(x, h_pre), (x, h_pre), grad_in.as_subclass(Marked))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.as_subclass(torch.Tensor), w, rtol=1e-5, atol=1e-6)
+    logits = randn(5, 4, 4, seed=5).requires_grad_()
+    grad_out = randn(5, 4, 4, seed=6)
+    (want,) = torch.autograd.grad(sinkhorn(logits, 20), logits, grad_out)
+    (got,) = torch.autograd.grad(sinkhorn(logits, 20), logits, grad_out.as_subclass(Marked))
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=1e-4, atol=1e-6)
 
 
 @needs_loops
@@ -193,12 +231,13 @@ def test_mixing_double_backward():
         lambda x: x.transpose(0, 1),
         lambda x: x[:, :, :-1],
         lambda x: x[:1].expand(x.shape),
+        lambda x: x.as_subclass(Marked),
     ],
-    ids=["fp64", "transposed", "sliced", "stride 0"],
+    ids=["fp64", "transposed", "sliced", "stride 0", "subclass"],
 )
 def test_launchers_refuse_layouts_the_loops_do_not_read(bad):
     x, _, _, h = (t.detach() for t in mixing_inputs((4,), 4, 6, 0))
-    with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+    with pytest.raises(ValueError, match="contiguous float32 CPU tensor .not a subclass."):
         cpu.pre_mix_forward(bad(x), h)
 
 

@@ -67,10 +67,17 @@ def runs_on(*tensors: torch.Tensor) -> bool:
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+    plain = type(t) in _PLAIN  # a subclass's data pointer need not hold its values
+    if (
+        not plain
+        or t.dtype != torch.float32
+        or t.device.type != "cpu"
+        or not t.is_contiguous()
+        or tuple(t.shape) != shape
+    ):
         raise ValueError(
-            f"{name}: the CPU loops take a contiguous float32 CPU tensor of shape {shape}, got "
-            f"{t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
+            f"{name}: the CPU loops take a contiguous float32 CPU tensor (not a subclass) of shape {shape}, "
+            f"got {type(t).__name__} {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
         )
 
 

@@ -1,9 +1,10 @@
 """A site's pre-mix and post-mix on the CPU loops, as autograd ops over streams ``[..., n, d]``.
 
 The PyTorch path (:func:`mhc.sites.reference_pre_mix`, :func:`mhc.sites.reference_post_mix`) calls
-these for the tensors :func:`mhc.cpu.runs_on` accepts. Double backward: the backward of a
-backward that builds a graph (``create_graph=True``) runs the gradients' bilinear formulas as
-PyTorch ops, which autograd differentiates again.
+these for the tensors :func:`mhc.cpu.runs_on` accepts. The backward runs the gradients' bilinear
+formulas as PyTorch ops instead of the loops where it builds a graph (``create_graph=True``:
+double backward) and where the incoming gradient is not a tensor the loops read (a subclass, such
+as a tensor-parallel plan's asynchronous collective result).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class _PreMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, h_pre = ctx.saved_tensors
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not cpu.runs_on(grad):
             return h_pre.unsqueeze(-1) * grad.unsqueeze(-2), (grad.unsqueeze(-2) * x).sum(-1)
         return cpu.pre_mix_backward(x, h_pre, grad.contiguous())
 
@@ -42,7 +43,7 @@ class _PostMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, h_res, y, h_post = ctx.saved_tensors
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not cpu.runs_on(grad):
             return (
                 torch.einsum("tij,tid->tjd", h_res, grad),
                 torch.einsum("tid,tjd->tij", grad, x),
