@@ -48,21 +48,29 @@ static void store_block(float *dst, const float *src, int64_t t0, int64_t count,
         for (int64_t k = 0; k < nn; k++) dst[(t0 + b) * nn + k] = src[k * BLOCK + b];
 }
 
-/* p = softmax over rows r of each column c: the first (column) normalisation of exp(logits) */
-static void column_softmax(const float *z, float *p, int64_t n) {
-    for (int64_t c = 0; c < n; c++) {
+/* out = softmax of z along one axis of every matrix (out may be z): columns = 1 normalises each
+ * column c over its rows r, columns = 0 each row over its columns */
+static void softmax_along(const float *z, float *out, int64_t n, int columns) {
+    for (int64_t i = 0; i < n; i++) {
         float top[BLOCK], sum[BLOCK];
         for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(z, r, c)[b]);
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = columns ? AT(z, j, i) : AT(z, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], v[b]);
+        }
         for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
-        for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = columns ? AT(z, j, i) : AT(z, i, j);
+            float *w = columns ? AT(out, j, i) : AT(out, i, j);
             for (int64_t b = 0; b < BLOCK; b++) {
-                AT(p, r, c)[b] = expf(AT(z, r, c)[b] - top[b]);
-                sum[b] += AT(p, r, c)[b];
+                w[b] = expf(v[b] - top[b]);
+                sum[b] += w[b];
             }
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t b = 0; b < BLOCK; b++) AT(p, r, c)[b] /= sum[b];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *w = columns ? AT(out, j, i) : AT(out, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) w[b] /= sum[b];
+        }
     }
 }
 
@@ -70,31 +78,18 @@ static void column_softmax(const float *z, float *p, int64_t n) {
  * in the log domain (mhc.reference._first_iteration_at) */
 static void first_iteration(const float *logits, float *m, int64_t n) {
     for (int64_t c = 0; c < n; c++) {
-        float top[BLOCK], sum[BLOCK];
+        float top[BLOCK], lse[BLOCK];
         for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
         for (int64_t r = 0; r < n; r++)
             for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(logits, r, c)[b]);
-        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
+        for (int64_t b = 0; b < BLOCK; b++) lse[b] = 0.0f;
         for (int64_t r = 0; r < n; r++)
-            for (int64_t b = 0; b < BLOCK; b++) sum[b] += expf(AT(logits, r, c)[b] - top[b]);
-        for (int64_t b = 0; b < BLOCK; b++) sum[b] = isinf(top[b]) ? top[b] : top[b] + logf(sum[b]);  /* logsumexp */
+            for (int64_t b = 0; b < BLOCK; b++) lse[b] += expf(AT(logits, r, c)[b] - top[b]);
+        for (int64_t b = 0; b < BLOCK; b++) lse[b] = isinf(top[b]) ? top[b] : top[b] + logf(lse[b]);
         for (int64_t r = 0; r < n; r++)
-            for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] = AT(logits, r, c)[b] - sum[b];
+            for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] = AT(logits, r, c)[b] - lse[b];
     }
-    for (int64_t r = 0; r < n; r++) {
-        float top[BLOCK], sum[BLOCK];
-        for (int64_t b = 0; b < BLOCK; b++) top[b] = -INFINITY;
-        for (int64_t c = 0; c < n; c++)
-            for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(m, r, c)[b]);
-        for (int64_t b = 0; b < BLOCK; b++) sum[b] = 0.0f;
-        for (int64_t c = 0; c < n; c++)
-            for (int64_t b = 0; b < BLOCK; b++) {
-                AT(m, r, c)[b] = expf(AT(m, r, c)[b] - top[b]);
-                sum[b] += AT(m, r, c)[b];
-            }
-        for (int64_t c = 0; c < n; c++)
-            for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] /= sum[b];
-    }
+    softmax_along(m, m, n, 0);
 }
 
 /* after = before / (sum of before along the step's axis + eps), as a product by the reciprocal
@@ -138,6 +133,24 @@ static void divide_step_backward(float *restrict grad, const float *restrict aft
     }
 }
 
+/* grad <- y * (grad - sum(grad * y along the axis)): the backward of softmax_along's y */
+static void softmax_backward_along(float *restrict grad, const float *restrict y, int64_t n, int columns) {
+    for (int64_t i = 0; i < n; i++) {
+        float inner[BLOCK];
+        for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float *g = columns ? AT(grad, j, i) : AT(grad, i, j);
+            const float *v = columns ? AT(y, j, i) : AT(y, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) inner[b] += g[b] * v[b];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *g = columns ? AT(grad, j, i) : AT(grad, i, j);
+            const float *v = columns ? AT(y, j, i) : AT(y, i, j);
+            for (int64_t b = 0; b < BLOCK; b++) g[b] = v[b] * (g[b] - inner[b]);
+        }
+    }
+}
+
 /* Every iterate of one block: states[0] after the first iteration, then per remaining iteration
  * the matrix after its column step and after its row step; inverses[k]: the reciprocal sums
  * that made states[k] (k >= 1; inverses[0]: the first row step's when eps > 0). p: the column
@@ -146,7 +159,7 @@ static void sinkhorn_block(const float *logits, float *states, float *inverses, 
                            int64_t iters, float eps) {
     int64_t size = n * n * BLOCK;
     if (eps > 0.0f) {
-        column_softmax(logits, p, n);
+        softmax_along(logits, p, n, 1);
         for (int64_t k = 0; k < size; k++) shifted[k] = p[k] + eps;
         divide_step(shifted, states, inverses, n, 0, eps);
     } else {
@@ -195,29 +208,13 @@ int mhc_sinkhorn_backward(const float *logits, const float *grad_out, float *gra
         for (int64_t k = 2 * iters - 2; k >= 1; k--)
             divide_step_backward(grad, states + k * size, inverses + k * n * BLOCK, n, k % 2);
         if (eps > 0.0f) {
-            /* states[0] = (p + eps) / inverses[0] (row step); then the column softmax */
+            /* states[0] = (p + eps) / inverses[0] (row step), p the column softmax */
             divide_step_backward(grad, states, inverses, n, 0);
-            for (int64_t c = 0; c < n; c++) {
-                float inner[BLOCK];
-                for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
-                for (int64_t r = 0; r < n; r++)
-                    for (int64_t b = 0; b < BLOCK; b++) inner[b] += AT(grad, r, c)[b] * AT(p, r, c)[b];
-                for (int64_t r = 0; r < n; r++)
-                    for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] = AT(p, r, c)[b] * (AT(grad, r, c)[b] - inner[b]);
-            }
+            softmax_backward_along(grad, p, n, 1);
         } else {
             /* states[0] = softmax over columns of z, z = logits - logsumexp over rows */
-            const float *first = states;
-            for (int64_t r = 0; r < n; r++) {
-                float inner[BLOCK];
-                for (int64_t b = 0; b < BLOCK; b++) inner[b] = 0.0f;
-                for (int64_t c = 0; c < n; c++)
-                    for (int64_t b = 0; b < BLOCK; b++) inner[b] += AT(grad, r, c)[b] * AT(first, r, c)[b];
-                for (int64_t c = 0; c < n; c++)
-                    for (int64_t b = 0; b < BLOCK; b++)
-                        AT(grad, r, c)[b] = AT(first, r, c)[b] * (AT(grad, r, c)[b] - inner[b]);
-            }
-            column_softmax(block, p, n);
+            softmax_backward_along(grad, states, n, 0);
+            softmax_along(block, p, n, 1); /* d logsumexp / d logits */
             for (int64_t c = 0; c < n; c++) {
                 float total[BLOCK];
                 for (int64_t b = 0; b < BLOCK; b++) total[b] = 0.0f;
