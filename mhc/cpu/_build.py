@@ -1,11 +1,11 @@
 """Builds ``kernels.c`` with the system C compiler and loads it (``ctypes``), once per process.
 
 The library is compiled the first time it is needed (about two seconds) into ``$MHC_CACHE_DIR``
-(default ``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc``), named by a hash of the source, the flags
-and the compiler's version, so a changed source or compiler builds anew and a cached build is
-reused across processes. ``$CC`` names the compiler, else the first of ``cc``, ``gcc`` and
-``clang`` found. ``MHC_CPU_KERNELS=0`` turns the loops off. Without a working compiler
-:func:`library` is ``None`` and the layers keep the PyTorch ops.
+(default ``$XDG_CACHE_HOME/mhc``, ``~/.cache/mhc``, or the temporary directory without a home),
+named by a hash of the source, the flags and the compiler's version, so a changed source or
+compiler builds anew and a cached build is reused across processes. ``$CC`` names the compiler,
+else the first of ``cc``, ``gcc`` and ``clang`` found. ``MHC_CPU_KERNELS=0`` turns the loops off.
+Without a working compiler :func:`library` is ``None`` and the layers keep the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ _why_not = {"error": None}  # why library() is None
 def _cache_dir() -> Path:
     if os.environ.get("MHC_CACHE_DIR"):
         return Path(os.environ["MHC_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhc"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if base.startswith("~"):  # no home directory to expand
+        base = tempfile.gettempdir()
+    return Path(base) / "mhc"
 
 
 def _compile(compiler: str, flags: tuple) -> Path:
