@@ -13,7 +13,9 @@ counter, selective checkpointing) does not see the loops: the autograd ops aroun
 them whole, so a checkpointed model's values do not depend on its policy.
 
 Launchers take contiguous fp32 CPU tensors of the shapes their docstrings give (checked) and
-return new tensors.
+return new tensors. :mod:`mhc.cpu.mixing` wraps the mixes as autograd ops over streams
+``[..., n, d]``; :mod:`mhc.cpu.projection` is the coefficients' RMS projection as one autograd op
+(PyTorch ops, no loop).
 """
 
 from __future__ import annotations
