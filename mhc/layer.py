@@ -196,15 +196,15 @@ class _TorchExact(torch.autograd.Function):
         logits, *kept = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
             return differentiable_backward(logits, grad_out, ctx.iters, "exact", ctx.eps), None, None
-        if not kept and not cpu.runs_on(grad_out):  # a gradient the loops cannot read: a subclass
-            with torch.enable_grad():
+        if not kept:  # the loops' forward: recompute from the logits
+            if cpu.runs_on(grad_out):
+                n = logits.shape[-1]
+                flat = logits.reshape(-1, n, n).contiguous(), grad_out.reshape(-1, n, n).contiguous()
+                return cpu.sinkhorn_backward(*flat, ctx.iters, ctx.eps).view(logits.shape), None, None
+            with torch.enable_grad():  # a gradient the loops cannot read (a subclass): the unrolled loop
                 saved = logits.detach().requires_grad_()
                 grad = differentiable_backward(saved, grad_out, ctx.iters, "exact", ctx.eps)
             return grad.detach(), None, None
-        if not kept:
-            n = logits.shape[-1]
-            flat = logits.reshape(-1, n, n).contiguous(), grad_out.reshape(-1, n, n).contiguous()
-            return cpu.sinkhorn_backward(*flat, ctx.iters, ctx.eps).view(logits.shape), None, None
         out, first_row, cols, rows = kept
         grad = reference.sinkhorn_exact_backward(
             _tokens_last(logits), out, first_row, cols, rows, _tokens_last(grad_out), ctx.eps, dims=(0, 1)

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "through_ops", "marked_must_save",
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "is_plain", "through_ops", "marked_must_save",
            "top_saved_tensor_hooks", "in_backward", "materialized"]  # fmt: skip
 
 
@@ -48,7 +48,10 @@ def dispatch_mode_active() -> bool:
     return stack is not None and stack() > 0
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def is_plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a plain tensor (or parameter), whose data pointer holds its values: not a
+    subclass such as ``DTensor``, a fake tensor or an asynchronous collective's result."""
+    return type(x) in (torch.Tensor, torch.nn.Parameter)
 
 
 def through_ops(x: torch.Tensor) -> bool:
@@ -56,7 +59,7 @@ def through_ops(x: torch.Tensor) -> bool:
     ``x``, rather than launching them directly: while ``torch.compile`` traces, under a
     ``TorchDispatchMode``, and for a tensor subclass such as ``DTensor``, whose dispatch only the
     ops reach (a launcher reads raw data pointers)."""
-    return type(x) not in _PLAIN or torch.compiler.is_compiling() or dispatch_mode_active()
+    return not is_plain(x) or torch.compiler.is_compiling() or dispatch_mode_active()
 
 
 def materialized(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mhc._compat import is_plain
 from mhc.cpu._build import build_error, library
 
 __all__ = [
@@ -52,16 +53,13 @@ def path_name() -> str:
     return "C loops" if available() else "PyTorch ops"
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def runs_on(*tensors: torch.Tensor) -> bool:
     """Whether the layers run these loops for ``tensors``: all plain fp32 tensors on the CPU (a
     subclass such as ``DTensor`` or a fake tensor has no data of its own to read), not while
     ``torch.compile`` or ``torch.jit.trace`` records the ops, not under CPU autocast (whose ops
     run in lower precision), and the library available."""
     for t in tensors:
-        if type(t) not in _PLAIN or t.dtype != torch.float32 or t.device.type != "cpu":
+        if not is_plain(t) or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.is_autocast_enabled("cpu"):
         return False
@@ -69,9 +67,8 @@ def runs_on(*tensors: torch.Tensor) -> bool:
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple) -> None:
-    plain = type(t) in _PLAIN  # a subclass's data pointer need not hold its values
     if (
-        not plain
+        not is_plain(t)
         or t.dtype != torch.float32
         or t.device.type != "cpu"
         or not t.is_contiguous()

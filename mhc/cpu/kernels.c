@@ -2,8 +2,9 @@
  * post-mix with their backwards. fp32, contiguous, row-major; the Python side checks the layouts.
  *
  * Each function does in one pass over memory what the PyTorch reference does in dozens of small
- * ops (mhc/reference.py, mhc/sites.py), the same arithmetic in the same order per value, so that
- * results agree with the reference within fp32 rounding. Sinkhorn works on blocks of BLOCK
+ * ops (mhc/reference.py, mhc/sites.py), the same steps per value, so that results agree with the
+ * reference within fp32 rounding; Sinkhorn's steps multiply by the reciprocal sum, as the GPU
+ * kernels do, where the reference divides. Sinkhorn works on blocks of BLOCK
  * tokens with the token index innermost: the compiler turns every loop over a block into vector
  * instructions, and a block's iterates stay in cache for the backward, which recomputes them
  * (only the logits are saved, as on the GPU). Built by mhc/cpu/_build.py at first use. */
