@@ -13,6 +13,9 @@ it would patch is patched already in that launch; a device function that names a
 (``triton.language.core`` through Triton's own helpers) is patched as before. The kernels compute
 exactly what they did. Nothing is installed where the interpreter's internals differ from what
 this expects.
+
+It also remembers the NumPy dtype of each Triton type (``_get_np_dtype`` builds its table of
+twenty types at each of its calls, hundreds of thousands per test).
 """
 
 from __future__ import annotations
@@ -61,4 +64,24 @@ def install() -> bool:
     patch_lang._mhc_cached, patch_lang._mhc_original, call._mhc_original = True, original, launch
     interpreter._patch_lang = patch_lang
     executor.__call__ = call
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:
+        interpreter._get_np_dtype = _remembered(np_dtype)
     return True
+
+
+def _remembered(fn):
+    """``fn`` of a Triton type, computed once per type (equal types give equal NumPy dtypes)."""
+    known = {}
+
+    def remembered(tt_dtype):
+        try:
+            return known[tt_dtype]
+        except KeyError:
+            known[tt_dtype] = result = fn(tt_dtype)
+            return result
+        except TypeError:  # a type that cannot be hashed
+            return fn(tt_dtype)
+
+    remembered._mhc_original = fn
+    return remembered

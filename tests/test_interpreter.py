@@ -29,12 +29,15 @@ def _with_triton_interpreter(run):
     patched_lang, patched_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
     if not getattr(patched_lang, "_mhc_cached", False):  # install() found other internals: Triton's own runs
         pytest.skip("this Triton's interpreter is not patched (tests/interpreter.py found other internals)")
+    np_dtype = interpreter._get_np_dtype
     interpreter._patch_lang = patched_lang._mhc_original
     interpreter.GridExecutor.__call__ = patched_call._mhc_original
+    interpreter._get_np_dtype = getattr(np_dtype, "_mhc_original", np_dtype)
     try:
         return run()
     finally:
         interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched_lang, patched_call
+        interpreter._get_np_dtype = np_dtype
 
 
 def _sinkhorn_and_coefficients():

@@ -167,8 +167,27 @@ def test_bad_flags_exit_with_a_clear_message(flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+TWO_PROCESS_ARGS = ["--residual", "mhc", "--eval-every", "3", "--log-every", "1", "--checkpoint-every", "2"] + TINY
+TWO_PROCESS_ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The directory of one process's 3 steps on the whole batch, which both engines must equal."""
+    out = tmp_path_factory.mktemp("single")
+    subprocess.run(
+        [sys.executable, str(SCRIPT)] + TWO_PROCESS_ARGS + ["--steps", "3", "--out-dir", str(out)],
+        check=True,
+        env=TWO_PROCESS_ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return out
+
+
+@pytest.mark.xdist_group("toy_lm_two_processes")  # one worker runs both: one reference run
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_two_processes_equal_one(tmp_path, engine):
+def test_two_processes_equal_one(tmp_path, engine, one_process_run):
     """torchrun with 2 gloo processes on CPU ends with the parameters of one process on the same
     global batch: DDP all-reduces the two half-batch gradients, FSDP2 (one unit per block, fp32
     here) reduce-scatters them. The FSDP2 run stops after step 2 and resumes from its checkpoint
@@ -178,29 +197,19 @@ def test_two_processes_equal_one(tmp_path, engine):
     Losses and gradient norms agree to float rounding. Parameters agree to a tenth of one Adam
     step (lr = 1e-2): Adam divides by the gradient's magnitude, so on parameters whose gradient is
     near zero (b_pre) it turns rounding differences of the reduction into visible updates."""
-    args = ["--residual", "mhc", "--eval-every", "3", "--log-every", "1", "--checkpoint-every", "2"] + TINY
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    args, env = TWO_PROCESS_ARGS, TWO_PROCESS_ENV
     launches = [(3, [])] if engine == "ddp" else [(2, ["--fsdp"]), (3, ["--fsdp", "--resume"])]  # (last step, flags)
     for steps, flags in launches:
         out = ["--steps", str(steps), "--out-dir", tmp_path / engine]
         torchrun([SCRIPT] + args + flags + out, env=env, cwd=ROOT, timeout=300)
         # each launch ends with a checkpoint of its last step: the resumed launch starts at step 2
         assert torch.load(tmp_path / engine / "mhc_seed0.pt", weights_only=False)["step"] == steps
-    subprocess.run(
-        [sys.executable, str(SCRIPT)] + args + ["--steps", "3", "--out-dir", str(tmp_path / "single")],
-        check=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    params, single_params = (
-        final_params(tmp_path / engine / "mhc_seed0.pt"),
-        final_params(tmp_path / "single/mhc_seed0.pt"),
-    )
+    params = final_params(tmp_path / engine / "mhc_seed0.pt")
+    single_params = final_params(one_process_run / "mhc_seed0.pt")
     assert params.keys() == single_params.keys()
     for key in single_params:
         torch.testing.assert_close(params[key], single_params[key], rtol=0, atol=1e-3, msg=key)
-    log, single_log = records(tmp_path / engine / "mhc_seed0.jsonl"), records(tmp_path / "single/mhc_seed0.jsonl")
+    log, single_log = records(tmp_path / engine / "mhc_seed0.jsonl"), records(one_process_run / "mhc_seed0.jsonl")
     assert len(log) == len(single_log) == 2 and "val_loss" in log[-1] and "gain" in log[-1]  # steps 2, 3
     for a, b in zip(log, single_log):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 and abs(a["grad_norm"] / b["grad_norm"] - 1) < 1e-5
