@@ -197,11 +197,10 @@ def test_two_processes_equal_one(tmp_path, engine, one_process_run):
     Losses and gradient norms agree to float rounding. Parameters agree to a tenth of one Adam
     step (lr = 1e-2): Adam divides by the gradient's magnitude, so on parameters whose gradient is
     near zero (b_pre) it turns rounding differences of the reduction into visible updates."""
-    args, env = TWO_PROCESS_ARGS, TWO_PROCESS_ENV
     launches = [(3, [])] if engine == "ddp" else [(2, ["--fsdp"]), (3, ["--fsdp", "--resume"])]  # (last step, flags)
     for steps, flags in launches:
         out = ["--steps", str(steps), "--out-dir", tmp_path / engine]
-        torchrun([SCRIPT] + args + flags + out, env=env, cwd=ROOT, timeout=300)
+        torchrun([SCRIPT] + TWO_PROCESS_ARGS + flags + out, env=TWO_PROCESS_ENV, cwd=ROOT, timeout=300)
         # each launch ends with a checkpoint of its last step: the resumed launch starts at step 2
         assert torch.load(tmp_path / engine / "mhc_seed0.pt", weights_only=False)["step"] == steps
     params = final_params(tmp_path / engine / "mhc_seed0.pt")
