@@ -147,11 +147,12 @@ class StreamRecompute:
     """The recompute setting of one model's sites and the block its forward is building.
 
     ``every``: the block length ``L_r`` (sites per block; the first keeps its streams).
-    Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
+    ``last_site``: the model's last site in module order, which no site follows (``None``: not
+    known). Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
     """
 
-    def __init__(self, every: int):
-        self.every = every
+    def __init__(self, every: int, last_site=None):
+        self.every, self.last_site = every, last_site
         self.clear()
 
     def clear(self) -> None:
@@ -205,14 +206,20 @@ class StreamRecompute:
         """The cache of the position after the next step (``None`` under ``torch.compile``)."""
         return None if torch.compiler.is_compiling() else StreamsAt(self.at)
 
-    def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None) -> None:
+    def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None, site=None) -> None:
         """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
-        ``out``'s position."""
+        ``out``'s position; ``site``: the site whose post-mix it was, if no site is chained to it.
+
+        ``out`` is kept for the next site's identity check unless nothing can continue from it: the
+        block is full, or ``site`` is the model's last. Under ``torch.compile`` a tensor kept at
+        the end of the forward leaves the compiled graph as an output and gets a gradient of zeros,
+        a set of streams, made at the start of the backward."""
         if not self._current(x):
             self.streams = None
             return
         self.steps.append(tuple(_kept(t) for t in step))
-        self.streams, self.at = out, at
+        ends = len(self.steps) >= self.every or (site is not None and site is self.last_site)
+        self.streams, self.at = (None if ends else out), at
         self._stamp(out)
 
 

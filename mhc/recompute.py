@@ -82,7 +82,7 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
         handle.remove()
     if every is None:
         every = optimal_block(max(s.n_streams for s in sites), len(sites))
-    setting = StreamRecompute(every) if every > 1 else None
+    setting = StreamRecompute(every, last_site=sites[-1]) if every > 1 else None
     for site in sites:
         site._recompute = setting
     model._mhc_recompute = setting

@@ -202,7 +202,8 @@ class ReferenceFinish:
             out = reference_post_mix(x, self.h_res, y, self.h_post)
         schedule = self.site._recompute
         if schedule is not None:
-            schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at())
+            last = self.site if next is None else None
+            schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
         return _returned(rest, out) if next is None else _returned(rest, *next.split(out))
 
 
@@ -223,7 +224,7 @@ class FusedFinish:
             return _returned(rest, self._post_mix(y, schedule))
         site._check_next(next)
         if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
-            return _returned(rest, *next.split(self._post_mix(y, schedule)))
+            return _returned(rest, *next.split(self._post_mix(y, schedule, next)))
         args = (
             x,
             y,
@@ -264,9 +265,10 @@ class FusedFinish:
             schedule.link, outputs = outputs[-1], outputs[:-1]
         return outputs, next_at
 
-    def _post_mix(self, y, schedule):
+    def _post_mix(self, y, schedule, next=None):
         outputs = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))
         out = function_outputs(self.plan, outputs, single=True)
         if schedule is not None:
-            schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at())
+            last = self.site if next is None else None  # a site chained to another is not the last
+            schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
         return out

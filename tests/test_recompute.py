@@ -280,6 +280,46 @@ def test_no_tensor_outlives_the_forward(backend):
     assert setting.start is None and setting.streams is None and setting.steps == []
 
 
+def kept_at_the_end(model) -> list:
+    """What the model's recompute setting keeps of the streams as each forward leaves them, one
+    entry per forward: a forward hook registered before :func:`recompute_streams`'s own runs
+    before they clear the setting."""
+    kept = []
+
+    def record(module, args, out):
+        setting = getattr(module, "_mhc_recompute", None)
+        kept.append(None if setting is None else setting.streams)
+
+    model.register_forward_hook(record)
+    return kept
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chain", [False, True])
+def test_streams_kept_only_while_a_site_may_continue(backend, chain):
+    # a site's output is kept for the next site's identity check, not after a full block or the
+    # model's last site: under torch.compile what is kept at the end of the forward leaves the
+    # graph as an output and gets a gradient of zeros the size of the streams
+    model = stack(["mhc"] * 5, backend, chain=chain)
+    h = torch.randn(2, 3, 8, device=KERNEL_DEVICE, requires_grad=True)
+    kept = kept_at_the_end(model)
+    for every in (2, 3, 5, 10):
+        recompute_streams(model, every)
+        model(h)
+        assert kept[-1] is None, every
+    after_site = {}
+
+    def record(site, args, out):  # returns None: a forward hook's result replaces the output
+        after_site.setdefault(list(model.sites).index(site), site._recompute.streams is out)
+
+    for site in model.sites:
+        site.register_forward_hook(record)
+    recompute_streams(model, 2)
+    model(h)
+    if not chain:  # blocks [1, 2], [3, 4], [5]: kept after the first site of each block but the last
+        assert after_site == {0: True, 1: False, 2: True, 3: False, 4: False}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_grad_nothing_changes(backend):
     model = stack(["mhc", "hc"], backend)
@@ -300,11 +340,13 @@ def test_compiled_fused_path_matches_eager():
         h = torch.randn(2, 3, 8, device=KERNEL_DEVICE)
         grad = torch.randn_like(h)
         want = gradients(model, h, grad)
+        kept = kept_at_the_end(model)
         recompute_streams(model, 3)
         torch._dynamo.reset()
         got = gradients(torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND), h, grad)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert kept[-1] is None  # no streams leave the compiled forward for the setting
 
 
 def test_compiled_reference_path_raises():
