@@ -288,6 +288,57 @@ def test_export_and_aoti_package_run_the_sites(tmp_path, aoti_loads, dtype, hc_e
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
 
+# 300 tokens: the forward split over K with its finishing kernel; 9000: the one-pass forward
+@pytest.mark.parametrize("T, hc_eps", [(300, 1e-6), (9000, 0.0)])
+def test_compiled_coefficient_kernels_are_the_eager_ones(T, hc_eps):
+    """Inside a compiled graph the coefficient kernels give their eager launches' bits: Inductor
+    passes float arguments as fp64, which the kernels take as fp32, as a launch from Python does."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mhc.kernels import mhc_coefficients
+
+    torch.manual_seed(0)
+    n, d = N, 256
+    x = torch.randn(T, n, d, device="cuda", dtype=torch.bfloat16)
+    phi = torch.randn(n * d, 2 * n + n * n, device="cuda") / d
+    alpha, bias = torch.rand(3, device="cuda"), torch.randn(2 * n + n * n, device="cuda")
+    settings = (20, 1e-6, hc_eps)
+    want = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, *settings)
+    dx_in, dh_post, dz_res = torch.randn_like(want[0]), torch.randn_like(want[4]), torch.randn_like(want[5])
+    backward = (x, phi, alpha, *want[1:5], None, dh_post, dz_res, dx_in, None, hc_eps)
+    want_grads = mhc_coefficients.coefficients_bwd_packed(*backward)
+
+    def both():
+        return torch.ops.mhc.mhc_coefficients_fwd(x, phi, alpha, bias, *settings), torch.ops.mhc.mhc_coefficients_bwd(
+            *backward
+        )
+
+    torch._dynamo.reset()
+    (got, got_grads), code = run_and_get_code(torch.compile(both, fullgraph=True))
+    for g, w in zip((*got, got_grads[0]), (*want, want_grads[0])):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # the packed parameter gradients add per-split partials with a PyTorch sum, which the compiled
+    # graph reduces in its own order: fp32 rounding of the largest sums
+    scale = want_grads[1].abs().max().item()
+    torch.testing.assert_close(got_grads[1], want_grads[1], rtol=1e-5, atol=4e-6 * scale)
+    assert "torch.ops.mhc" not in "\n".join(code)
+
+
+def test_compiled_sinkhorn_with_eps_is_the_eager_one():
+    """DeepSeek-V4's Sinkhorn (``eps > 0``, a float argument of its kernels) in a compiled graph:
+    the eager launches' bits."""
+    torch.manual_seed(0)
+    logits = torch.randn(300, N, N, device="cuda", requires_grad=True)
+    g = torch.randn(300, N, N, device="cuda")
+    out = sinkhorn(logits, iters=20, eps=1e-6)
+    (want,) = torch.autograd.grad(out, logits, g)
+    torch._dynamo.reset()
+    got_out = torch.compile(lambda z: sinkhorn(z, iters=20, eps=1e-6), fullgraph=True)(logits)
+    (got,) = torch.autograd.grad(got_out, logits, g)
+    torch.testing.assert_close(got_out, out, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backward", ["exact", "implicit"])
 @pytest.mark.parametrize("n", [4, 24])
 def test_compiled_sinkhorn_matches_eager(backward, n):

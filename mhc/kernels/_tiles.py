@@ -39,6 +39,14 @@ def launch_config(n: int, values_per_thread: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def fp32_arg(x):
+    """A float argument as fp32, the type a launch from Python gives it: Inductor launches a
+    compiled graph's user kernels with float arguments as fp64, which would take every operation
+    they meet into fp64 (slower, and other values than the eager launch's)."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _row_tile(i_b, T, N: tl.constexpr, BLOCK_T: tl.constexpr, NP: tl.constexpr):
     """Offsets ``[BLOCK_T, NP]`` of row 0 of program ``i_b``'s matrices, and the in-bounds mask."""
     o_t = i_b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)

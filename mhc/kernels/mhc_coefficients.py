@@ -58,7 +58,7 @@ import triton.language as tl
 from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
 from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, per_tile, sm_count, static
-from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, next_pow2
+from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
 from mhc.kernels.stream_mix import MAX_STREAMS
@@ -273,6 +273,7 @@ def coefficients_fwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    eps, hc_eps = fp32_arg(eps), fp32_arg(hc_eps)
     K = N * D
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -384,6 +385,7 @@ def coefficients_finish_kernel(
     others the pre-mix, ``mix_chunks`` channel chunks each (bytes: ``x`` read once more, by more
     programs than there are tiles); each adds up the partial projections. Otherwise one program
     per tile does both jobs, one after the other."""
+    eps, hc_eps = fp32_arg(eps), fp32_arg(hc_eps)
     W: tl.constexpr = NPP + NRES + 1
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -459,6 +461,7 @@ def coefficient_grad_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    hc_eps = fp32_arg(hc_eps)
     M: tl.constexpr = 2 * N + N * N
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, static
-from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, launch_config, reciprocal
+from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, launch_config, reciprocal
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
 VALUES_PER_THREAD = 16
@@ -166,7 +166,7 @@ def sinkhorn_eps_fwd_kernel(
     FP64: tl.constexpr,
 ):
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
-    out = sinkhorn_eps_rows(_load_rows(x_ptr, offs, m, N, FP64), eps, ITERS, N, NP, BLOCK_T)
+    out = sinkhorn_eps_rows(_load_rows(x_ptr, offs, m, N, FP64), fp32_arg(eps), ITERS, N, NP, BLOCK_T)
     _store_rows(out_ptr, offs, m, out, N)
 
 
@@ -186,7 +186,7 @@ def sinkhorn_eps_bwd_kernel(
     offs, m = _row_tile(tl.program_id(0), T, N, BLOCK_T, NP)
     x = _load_rows(x_ptr, offs, m, N, FP64)
     g = _load_rows(g_ptr, offs, m, N, FP64)
-    _store_rows(dx_ptr, offs, m, sinkhorn_eps_rows_bwd(x, g, eps, ITERS, N, NP, BLOCK_T), N)
+    _store_rows(dx_ptr, offs, m, sinkhorn_eps_rows_bwd(x, g, fp32_arg(eps), ITERS, N, NP, BLOCK_T), N)
 
 
 @launch_plan
