@@ -48,8 +48,10 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
             one or chained with ``finish(y, next=)``.
         every: the block length ``L_r``: the streams are kept at the first of every ``every``
             consecutive sites and rebuilt for the others. ``None``: the paper's optimum
-            :func:`optimal_block` for the model's ``n`` and number of sites. ``1`` turns
-            recompute off (every site keeps its streams, as without this call).
+            :func:`optimal_block` for the model's ``n`` and number of sites, which balances the
+            kept streams against one block's rebuilt ones; where a step peaks before the backward
+            rebuilds any (a compiled model, often), longer blocks hold less (docs/recompute.md).
+            ``1`` turns recompute off (every site keeps its streams, as without this call).
 
     Gradients are those without recompute: the backward rebuilds the streams with the forward's
     mixing ops. A block ends early where the streams are changed between two sites (a new tensor,
