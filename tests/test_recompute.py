@@ -307,6 +307,8 @@ def test_streams_kept_only_while_a_site_may_continue(backend, chain):
         recompute_streams(model, every)
         model(h)
         assert kept[-1] is None, every
+    if chain:  # chained sites are not called as modules: no hook sees each one's output
+        return
     after_site = {}
 
     def record(site, args, out):  # returns None: a forward hook's result replaces the output
@@ -316,8 +318,8 @@ def test_streams_kept_only_while_a_site_may_continue(backend, chain):
         site.register_forward_hook(record)
     recompute_streams(model, 2)
     model(h)
-    if not chain:  # blocks [1, 2], [3, 4], [5]: kept after the first site of each block but the last
-        assert after_site == {0: True, 1: False, 2: True, 3: False, 4: False}
+    # blocks [1, 2], [3, 4], [5]: kept after the first site of each block but the last
+    assert after_site == {0: True, 1: False, 2: True, 3: False, 4: False}
 
 
 class RunsBackwards(Stack):
@@ -341,7 +343,8 @@ def test_sites_out_of_module_order_only_end_a_block_early(backend):
     recompute_streams(model, 4)
     in_order = stack(["mhc"] * 4, backend)
     recompute_streams(in_order, 4)
-    assert saved_bytes(model, h) - saved_bytes(in_order, h) == 4 * 16 * 4 * 8 * 4
+    streams = h.numel() * 4 * h.element_size()  # one set: [4, 16, n = 4, dim = 8] fp32
+    assert saved_bytes(model, h) - saved_bytes(in_order, h) == streams
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
