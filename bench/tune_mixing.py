@@ -1,6 +1,7 @@
 """Development tool for the fused hyper-connection kernels, on a CUDA GPU (one run, one table each).
 
     python -m bench.tune_mixing [compile] [overhead] [host] [projection] [projection-split [tf32]]
+                                  [projection-compiled]
                                   [coefficients] [coefficients-split] [small-tokens] [small-tokens-epilogues]
                                   [small-tokens-mix] [small-tokens-split] [mix-bwd] [n=8]
 
@@ -13,6 +14,8 @@
 - ``coefficients-split``: the forward split over ``K`` (``projection_partial_kernel`` +
   ``coefficients_finish_kernel``) over tile configurations and programs per SM, against one pass,
   at d = 4096 and 1024, 16k and 8k tokens, with the largest difference of its outputs;
+- ``projection-compiled``: the one-pass projection backward as a compiled graph launches it
+  (Inductor drops ``maxnreg``): eager against compiled, the uncapped kernel over tiles;
 - ``projection-split``: at n = 5..8 (``n=8``), the projection backward as one pass against two
   (``dx``, then ``dphi``) over tile configurations of each pass;
 - ``mix-bwd``: the post + residual backward at n = 6 and 8, unrolled against the wide path;
@@ -37,6 +40,8 @@ import time
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # cold cache for the compile table
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 from mhc import kernels
 from mhc.kernels import _launch, mhc_coefficients, stream_mix
@@ -263,6 +268,89 @@ def sweep_projection():
             _time(f"coefficients bwd d={dim} g @ phi^T in {mode}", call, nbytes)
             print(f"    dx {rel(dx, dx32):.3e}, dphi {rel(dphi, dphi32):.3e} from the fp32 path", flush=True)
         mhc_coefficients.dx_precision = precision
+
+
+def sweep_projection_compiled():
+    """The one-pass projection backward (n <= 4) as a compiled graph launches it: Inductor compiles
+    a traced kernel without the launch's ``maxnreg``. The coefficient backward op eager and
+    compiled with the launcher's choice (and the time per call of each of its kernels), the uncapped
+    kernel eagerly over tiles, warps, stages and programs per SM, then the fastest three compiled;
+    d = 4096, 2048 and 1024, 16k tokens."""
+    tiles = [(bt, bd, w, s) for bt in (32, 64, 128) for bd in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    original, jit = mhc_coefficients.projection_bwd_config, mhc_coefficients.projection_bwd_kernel
+    op = torch.ops.mhc.mhc_coefficients_bwd
+    # a cached graph is found by the graph (one call of the op), not by the kernels it launches
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured["k"] = jit[grid](*args, **kwargs)
+
+            return launch
+
+    def use(cfg):
+        mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
+        _uncached()
+
+    for dim in (4096, 2048, 1024):
+        n, T = STREAMS, 16384
+        call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
+        args = (x, phi, alpha, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc, 0.0)
+
+        def compiled(cfg):
+            use(cfg)
+            torch._dynamo.reset()
+            step = torch.compile(lambda *a: op(*a), fullgraph=True)
+            step(*args)
+            return lambda: step(*args)
+
+        use(original(n, dim))
+        _time(f"d={dim} eager, launcher's choice {original(n, dim)}", call, nbytes)
+        _print_kernel_times("eager", call)
+        step = compiled(original(n, dim))
+        _time(f"d={dim} compiled, launcher's choice", step, nbytes)
+        _print_kernel_times("compiled", step)
+        results = []
+        for tile in tiles:
+            for waves in (2, 3, 4, 6, 8):
+                cfg = (*tile, waves, None)
+                use(cfg)
+                mhc_coefficients.projection_bwd_kernel = Capture()
+                try:
+                    call()
+                except Exception as e:  # e.g. more shared memory than the device has
+                    print(f"  d={dim} {cfg}: failed {type(e).__name__}", flush=True)
+                    break
+                finally:
+                    mhc_coefficients.projection_bwd_kernel = jit
+                k = captured["k"]
+                label = f"d={dim} uncapped {cfg} regs {k.n_regs} spills {k.n_spills}"
+                ms = _time(label, call, nbytes)
+                if ms is not None:
+                    results.append((ms, cfg))
+        for _, cfg in sorted(results)[:3]:
+            _time(f"d={dim} compiled {cfg}", compiled(cfg), nbytes)
+    mhc_coefficients.projection_bwd_config = original
+    _uncached()
+
+
+def _print_kernel_times(label, call, reps: int = 20):
+    """GPU time per call of each kernel ``call`` launches (``torch.profiler``), in microseconds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            print(f"    {label} {event.key[:60]}: {event.self_device_time_total / reps:8.1f} us/call", flush=True)
 
 
 def sweep_projection_split():
@@ -689,6 +777,7 @@ if __name__ == "__main__":
         ("overhead", launch_overhead),
         ("projection", sweep_projection),
         ("projection-split", sweep_projection_split),
+        ("projection-compiled", sweep_projection_compiled),
         ("mix-bwd", sweep_mix_bwd),
         ("coefficients", sweep_coefficients),
         ("coefficients-split", sweep_coefficients_split),

@@ -2,13 +2,15 @@
 launcher inside what any CUDA GPU Triton supports, ``MHC_ARCH`` picks a row, a bad value is an error.
 The kernels under the ``default`` row run on the GPU with ``MHC_ARCH=default`` (dev/LOG.md)."""
 
+import contextlib
 import json
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mhc.kernels import _arch, linear_cross_entropy, mhc_coefficients, sinkhorn_tiled
-from mhc.kernels._launch import forget_launch_plans
+from mhc.kernels._launch import forget_launch_plans, traced_launches
 
 
 @pytest.fixture
@@ -50,6 +52,39 @@ def test_hopper_row_keeps_the_tuned_caps(row):
     assert mhc_coefficients.projection_bwd_config(4, 4096)[5] is not None
     assert max(c[3] for c in _coefficient_configs(8, 4096, torch.bfloat16)) > row("default").max_stages
     assert limits.tensor_descriptors and not _arch.ARCHS["default"].tensor_descriptors
+
+
+def _coefficient_backward_inputs(n, tokens, d):
+    M = 2 * n + n * n
+    h = lambda *shape: torch.rand(*shape) + 0.1
+    x, grad_x_in = torch.randn(tokens, n, d, dtype=torch.bfloat16), torch.randn(tokens, d, dtype=torch.bfloat16)
+    phi, alpha, p, r = torch.randn(n * d, M), torch.randn(3), torch.randn(tokens, M), h(tokens)
+    dh_post, dz_res = torch.randn(tokens, n), torch.randn(tokens, n, n)
+    return x, phi, alpha, p, r, h(tokens, n), h(tokens, n), None, dh_post, dz_res, grad_x_in
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("traced, fake", [(False, False), (True, False), (True, True)])
+def test_a_launch_traced_into_a_graph_is_planned_without_register_caps(row, monkeypatch, n, traced, fake):
+    """Inductor compiles a kernel traced into a graph without the ``maxnreg`` its launch asks for:
+    the projection backward traced on fake tensors is planned as the uncapped configuration; run
+    (an op body run eagerly included) it keeps Hopper's cap where it has one (n <= 4)."""
+    row("hopper")
+    forget_launch_plans()
+    launches = []
+    record = lambda kernel, grid, inputs, outputs, scalars, meta, key: launches.append((kernel, meta))
+    monkeypatch.setattr(mhc_coefficients, "launch", record)
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        inputs = _coefficient_backward_inputs(n, 256, 64)
+        with traced_launches() if traced else contextlib.nullcontext():
+            mhc_coefficients.coefficients_bwd_packed(*inputs)
+    forget_launch_plans()
+    metas = [meta for kernel, meta in launches if kernel is mhc_coefficients.projection_bwd_kernel]
+    dx_meta = next(meta for meta in metas if meta["DX"])
+    expected = mhc_coefficients.projection_bwd_config(n, 64, torch.bfloat16, capped=not fake)
+    assert (dx_meta["BLOCK_T"], dx_meta["BLOCK_D"], dx_meta["num_warps"], dx_meta["num_stages"]) == expected[:4]
+    assert dx_meta.get("maxnreg") == expected[5]
+    assert (expected[5] is not None) == (n <= 4 and not fake)
 
 
 def test_interpreter_takes_small_loss_tiles_whatever_the_row(row):

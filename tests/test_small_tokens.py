@@ -106,7 +106,8 @@ def test_launch_plans_take_a_symbolic_token_count_without_a_guard(n, d):
     launches.append(mhc_coefficients._grad_plan.__wrapped__(n, d, tokens, True, device))
     projection = mhc_coefficients._projection_plan.__wrapped__
     for dtype in (torch.bfloat16, torch.float32):
-        launches += [p for _, p in projection(n, d, tokens, dtype, True, False, device)]
+        for capped in (True, False):  # run, or traced into a graph that Inductor compiles
+            launches += [p for _, p in projection(n, d, tokens, dtype, True, False, capped, device)]
     for launch in launches:
         assert all(type(v) is not torch.SymInt for v in launch.meta.values()), launch.key
     assert all(type(g) is int for g in launches[-1].grid)  # the projection: chunks and token splits
@@ -193,7 +194,7 @@ def test_token_splits_at_the_swept_sizes(dim, tokens, splits, monkeypatch):
     ``tune_mixing.py small-tokens-projection``, dev/LOG.md)."""
     monkeypatch.setattr(mhc_coefficients, "sm_count", lambda device: SMS)
     device = torch.device(DEVICE)
-    ((part, plan),) = mhc_coefficients._projection_plan(N, dim, tokens, torch.bfloat16, True, True, device)
+    ((part, plan),) = mhc_coefficients._projection_plan(N, dim, tokens, torch.bfloat16, True, True, True, device)
     assert mhc_coefficients.resident_programs(plan.meta["maxnreg"], plan.meta["num_warps"]) == 3
     assert part == "both" and plan.grid == (N * -(-dim // plan.meta["BLOCK_D"]), splits)
 
@@ -302,7 +303,7 @@ def test_the_backward_splits_tokens_from_eight_blocks(h100_sms):
     # the CPU's plans (an H100's SMs): 448 tokens are 7 blocks of 64, one split; 449 are 8 blocks,
     # the last holding one token, in 2 splits
     def splits(tokens):
-        ((_, plan),) = mhc_coefficients._projection_plan(N, DIM, tokens, torch.float32, True, False, "cpu")
+        ((_, plan),) = mhc_coefficients._projection_plan(N, DIM, tokens, torch.float32, True, False, True, "cpu")
         return plan.grid[1]
 
     assert [splits(448), splits(449)] == [1, 2]
@@ -329,7 +330,7 @@ def test_backward_token_splits_match_one_split_at_the_boundaries(tokens, h100_sm
     single = backward()
     monkeypatch.setattr(mhc_coefficients, "token_splits", token_splits)
     forget_launch_plans()
-    ((_, plan),) = mhc_coefficients._projection_plan(N, DIM, tokens, x.dtype, True, False, x.device)
+    ((_, plan),) = mhc_coefficients._projection_plan(N, DIM, tokens, x.dtype, True, False, True, x.device)
     splits = plan.grid[1]
     if tokens >= 545:
         assert splits > 1  # the partial dphi of several splits are added

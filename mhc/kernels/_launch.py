@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 
 from mhc.kernels import _compat
 
@@ -58,6 +59,14 @@ def traced_launches():
         yield
     finally:
         tracing = before
+
+
+def traced_into_graph(t: torch.Tensor) -> bool:
+    """Whether a launch for ``t`` is being traced into a graph (a ``triton_op``'s body run on fake
+    tensors) rather than run. Inductor compiles such a kernel itself, with the launch's
+    ``num_warps`` and ``num_stages`` but not its ``maxnreg``; launchers that cap registers plan
+    those launches for uncapped kernels."""
+    return tracing and is_fake(t)
 
 
 def _specialization(inputs: tuple, scalars: tuple) -> tuple[tuple, list]:
@@ -138,7 +147,8 @@ def launch(kernel, grid, inputs: tuple, outputs: tuple, scalars: tuple, meta: di
 
 
 # launch options that torch.library.wrap_triton takes as keywords; others (maxnreg) go into a
-# one-config autotuner around the kernel, which the compiler reads them from
+# one-config autotuner around the kernel, which Triton reads them from where the op body runs
+# eagerly (Inductor leaves maxnreg out: traced_into_graph)
 _WRAP_OPTIONS = ("num_warps", "num_stages")
 _TUNED: dict = {}
 

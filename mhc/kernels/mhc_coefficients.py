@@ -57,7 +57,16 @@ import triton.language as tl
 
 from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, per_tile, sm_count, static
+from mhc.kernels._launch import (
+    LaunchPlan,
+    launch,
+    launch_plan,
+    per_size,
+    per_tile,
+    sm_count,
+    static,
+    traced_into_graph,
+)
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
@@ -780,7 +789,8 @@ def coefficients_bwd_packed(
     accumulate = grad_x_acc is not None
     phi, grad_x_acc = phi.contiguous(), grad_x_acc.contiguous() if accumulate else x
     inputs = (x, phi, g, c, h_pre, grad_x_in, grad_x_acc, partial_bias)
-    for part, plan in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), x.device):
+    capped = not traced_into_graph(x)
+    for part, plan in per_size(_projection_plan, T)(n, d, T, x.dtype, accumulate, _split_bf16(x), capped, x.device):
         splits = plan.grid[1]
         if part != "dx":
             partial = torch.empty((splits, K * M + M + 3), **f32)
@@ -852,13 +862,17 @@ def _grad_plan(n: int, d: int, T: int, has_dh_pre: bool, device) -> LaunchPlan:
 
 
 @launch_plan
-def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, device) -> tuple:
+def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16: bool, capped: bool, device) -> tuple:
     """``((part, LaunchPlan), ...)``: the projection backward's passes (:func:`projection_passes`),
-    each over a ``(channel chunks, token splits)`` grid."""
+    each over a ``(channel chunks, token splits)`` grid. ``capped``: whether the kernel is compiled
+    with the register cap its launch asks for (:func:`projection_bwd_config`)."""
     precision, plans = dx_precision(dtype, n), []
     for part in projection_passes(n):
-        config = dphi_bwd_config if part == "dphi" else projection_bwd_config
-        block_t, block_d, num_warps, num_stages, waves, maxnreg = config(n, d, dtype)
+        if part == "dphi":
+            config = dphi_bwd_config(n, d, dtype)
+        else:
+            config = projection_bwd_config(n, d, dtype, capped)
+        block_t, block_d, num_warps, num_stages, waves, maxnreg = config
         meta = dict(**_columns(n), ACCUMULATE=accumulate, SPLIT_BF16=split_bf16, DX_PRECISION=precision)
         meta.update(BLOCK_T=block_t, BLOCK_D=block_d, DX=part != "dphi", DPHI=part != "dx")
         meta.update(BLOCK_R=BIAS_TILE, NB=next_pow2(2 * n + n * n + 3), num_warps=num_warps, num_stages=num_stages)
@@ -979,16 +993,26 @@ def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int,
 GRAD_WAVES = 2
 
 
-def projection_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int, int, int, int | None]:
+def projection_bwd_config(
+    n: int, d: int, dtype=torch.bfloat16, capped: bool = True
+) -> tuple[int, int, int, int, int, int | None]:
     """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
     token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
-    registers per thread (``None``: the compiler's choice)."""
+    registers per thread (``None``: the compiler's choice).
+
+    ``capped=False``: the kernel is compiled without a cap whatever its launch asks for, as
+    Inductor compiles a kernel traced into a graph (``torch.compile``, AOTInductor: its compile
+    options leave ``maxnreg`` out, PyTorch 2.11 and 2.13); the tiles are then chosen for the
+    registers the compiler picks (``python -m bench.tune_mixing projection-compiled``)."""
     limits = arch()
     stages = min(3, limits.max_stages)
     if n <= 4:
-        # 168 registers let three programs share an SM, and 6 programs per SM are two full rounds
-        # of them (faster than uncapped registers or 8 programs per SM at every d swept)
-        return 64, 64, 4, stages, 6, 168 if limits.register_caps else None
+        if capped and limits.register_caps:
+            # 168 registers let three programs share an SM, and 6 programs per SM are two full
+            # rounds of them (faster than uncapped registers or 8 programs per SM at every d swept)
+            return 64, 64, 4, stages, 6, 168
+        # two stages: 166 registers uncapped, three programs per SM still (three stages: 182, two)
+        return 64, 64, 4, 2, 6, None
     if n <= 8:
         # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
         # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
