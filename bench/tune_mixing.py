@@ -247,7 +247,7 @@ def sweep_projection():
         call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
         print(f"  d={dim}: launcher's choice {original(n, dim)}", flush=True)
         for cfg in configs:
-            mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
+            mhc_coefficients.projection_bwd_config = lambda *args, cfg=cfg: cfg
             _uncached()
             mhc_coefficients.projection_bwd_kernel = Capture()
             call()
@@ -273,11 +273,13 @@ def sweep_projection():
 def sweep_projection_compiled():
     """The one-pass projection backward (n <= 4) as a compiled graph launches it: Inductor compiles
     a traced kernel without the launch's ``maxnreg``. The coefficient backward op eager and
-    compiled with the launcher's choice (and the time per call of each of its kernels), the uncapped
-    kernel eagerly over tiles, warps, stages and programs per SM, then the fastest three compiled;
-    d = 4096, 2048 and 1024, 16k tokens."""
+    compiled with the launchers' choices (and the time per call of each of its kernels); the
+    uncapped kernel eagerly over tiles, warps, stages and programs per SM, and with the token
+    splits that finish in the fewest rounds of the programs its registers let an SM hold; then the
+    fastest three compiled. d = 4096, 2048 and 1024, 16k tokens."""
     tiles = [(bt, bd, w, s) for bt in (32, 64, 128) for bd in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
-    original, jit = mhc_coefficients.projection_bwd_config, mhc_coefficients.projection_bwd_kernel
+    config, resident = mhc_coefficients.projection_bwd_config, mhc_coefficients.resident_programs
+    jit, fast = mhc_coefficients.projection_bwd_kernel, _launch.FAST
     op = torch.ops.mhc.mhc_coefficients_bwd
     # a cached graph is found by the graph (one call of the op), not by the kernels it launches
     torch._inductor.config.fx_graph_cache = False
@@ -291,50 +293,57 @@ def sweep_projection_compiled():
 
             return launch
 
-    def use(cfg):
-        mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg
-        _uncached()
+    def use(cfg, programs=None):
+        """The launcher's rules (``cfg`` None), or ``cfg`` with its splits planned for ``programs``
+        resident per SM (None: about ``waves`` per SM); timed through the fast launch."""
+        mhc_coefficients.projection_bwd_config = config if cfg is None else lambda *args: cfg
+        mhc_coefficients.resident_programs = resident if programs is None else lambda *args: programs
+        _launch.forget_launch_plans()
+        _launch.FAST = fast
 
     for dim in (4096, 2048, 1024):
         n, T = STREAMS, 16384
         call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
         args = (x, phi, alpha, p, r, h_pre, h_post, None, h_post, h_res, g_in, g_acc, 0.0)
 
-        def compiled(cfg):
-            use(cfg)
+        def compiled(cfg, programs=None):
+            use(cfg, programs)
             torch._dynamo.reset()
             step = torch.compile(lambda *a: op(*a), fullgraph=True)
             step(*args)
             return lambda: step(*args)
 
-        use(original(n, dim))
-        _time(f"d={dim} eager, launcher's choice {original(n, dim)}", call, nbytes)
+        use(None)
+        _time(f"d={dim} eager, launcher's choice {config(n, dim)}", call, nbytes)
         _print_kernel_times("eager", call)
-        step = compiled(original(n, dim))
-        _time(f"d={dim} compiled, launcher's choice", step, nbytes)
+        step = compiled(None)
+        _time(f"d={dim} compiled, launcher's choice {config(n, dim, torch.bfloat16, False)}", step, nbytes)
         _print_kernel_times("compiled", step)
         results = []
         for tile in tiles:
-            for waves in (2, 3, 4, 6, 8):
+            use((*tile, 2, None))
+            _uncached()  # through kernel[grid], which Capture stands in for, to read the registers
+            mhc_coefficients.projection_bwd_kernel = Capture()
+            try:
+                call()
+            except Exception as e:  # e.g. more shared memory than the device has
+                print(f"  d={dim} {tile}: failed {type(e).__name__}", flush=True)
+                continue
+            finally:
+                mhc_coefficients.projection_bwd_kernel = jit
+            k = captured["k"]
+            programs = max(1, 65536 // (k.n_regs * 32 * tile[2]))
+            for waves, rounds_of in [(w, None) for w in (2, 3, 4, 6, 8)] + [(8, programs)]:
                 cfg = (*tile, waves, None)
-                use(cfg)
-                mhc_coefficients.projection_bwd_kernel = Capture()
-                try:
-                    call()
-                except Exception as e:  # e.g. more shared memory than the device has
-                    print(f"  d={dim} {cfg}: failed {type(e).__name__}", flush=True)
-                    break
-                finally:
-                    mhc_coefficients.projection_bwd_kernel = jit
-                k = captured["k"]
-                label = f"d={dim} uncapped {cfg} regs {k.n_regs} spills {k.n_spills}"
+                use(cfg, rounds_of)
+                plan = f"fewest rounds of {programs}" if rounds_of else f"{waves} per SM"
+                label = f"d={dim} uncapped {cfg} {plan}, regs {k.n_regs} spills {k.n_spills}"
                 ms = _time(label, call, nbytes)
                 if ms is not None:
-                    results.append((ms, cfg))
-        for _, cfg in sorted(results)[:3]:
-            _time(f"d={dim} compiled {cfg}", compiled(cfg), nbytes)
-    mhc_coefficients.projection_bwd_config = original
-    _uncached()
+                    results.append((ms, cfg, rounds_of))
+        for _, cfg, rounds_of in sorted(results)[:3]:
+            _time(f"d={dim} compiled {cfg} rounds of {rounds_of}", compiled(cfg, rounds_of), nbytes)
+    use(None)
 
 
 def _print_kernel_times(label, call, reps: int = 20):
@@ -379,7 +388,7 @@ def sweep_projection_split():
 
     def run(passes, dx_cfg, dphi_cfg, label, call, nbytes):
         mhc_coefficients.projection_passes = lambda n: passes
-        mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None: dx_cfg
+        mhc_coefficients.projection_bwd_config = lambda *args: dx_cfg
         mhc_coefficients.dphi_bwd_config = lambda n, d, dtype=None: dphi_cfg
         mhc_coefficients.dx_precision = lambda dtype, n: precision if passes == ("dx", "dphi") else "tf32x3"
         _uncached()
@@ -570,10 +579,10 @@ def sweep_small_tokens():
             mhc_coefficients.coefficients_fwd_config, mhc_coefficients.coefficients_split_config = originals[:2]
             call, nbytes, _ = _coefficient_backward_call(dim, STREAMS, T)
             for waves in (2, 3, 6, 12):
-                mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, w=waves: (
-                    *originals[2](n, d, dtype or torch.bfloat16)[:4],
+                mhc_coefficients.projection_bwd_config = lambda *args, w=waves: (
+                    *originals[2](*args)[:4],
                     w,
-                    originals[2](n, d, dtype or torch.bfloat16)[5],
+                    originals[2](*args)[5],
                 )
                 _uncached()
                 _time_graph(f"bwd d={dim} T={T} waves {waves}", call, nbytes)
@@ -638,7 +647,7 @@ def sweep_small_tokens_projection():
         for T in (1024, 2048, 4096, 16384):
             call, nbytes, _ = _coefficient_backward_call(dim, STREAMS, T)
             for cfg in configs:
-                mhc_coefficients.projection_bwd_config = lambda n, d, dtype=None, cfg=cfg: cfg[:6]
+                mhc_coefficients.projection_bwd_config = lambda *args, cfg=cfg: cfg[:6]
                 mhc_coefficients.MIN_SPLIT_BLOCKS = cfg[6]
                 _uncached()
                 _time_graph(f"bwd d={dim} T={T} {cfg}", call, nbytes)
