@@ -213,6 +213,26 @@ def _coefficient_backward_call(dim, n, T):
     return call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc)
 
 
+def _compiled_projection_kernel(call):
+    """The compiled projection backward kernel that ``call`` launches (its registers and spills),
+    with the launches going through ``kernel[grid]`` (:func:`_uncached`)."""
+    jit, captured = mhc_coefficients.projection_bwd_kernel, {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured["k"] = jit[grid](*args, **kwargs)
+
+            return launch
+
+    mhc_coefficients.projection_bwd_kernel = Capture()
+    try:
+        call()
+    finally:
+        mhc_coefficients.projection_bwd_kernel = jit
+    return captured["k"]
+
+
 def sweep_projection():
     """Coefficient backward (gradient + projection kernels) over tile configurations of the
     one-pass projection backward (n <= 4), with the registers and spills of each compile; then
@@ -232,16 +252,6 @@ def sweep_projection():
         (64, 64, 4, 2, 4, None),
     ]
     original, precision = mhc_coefficients.projection_bwd_config, mhc_coefficients.dx_precision
-    jit = mhc_coefficients.projection_bwd_kernel
-    captured = {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                captured["k"] = jit[grid](*args, **kwargs)
-
-            return launch
-
     for dim in (4096, 2048, 1024):
         n, T = STREAMS, 16384
         call, nbytes, (x, phi, alpha, p, r, h_pre, h_post, h_res, g_in, g_acc) = _coefficient_backward_call(dim, n, T)
@@ -249,10 +259,7 @@ def sweep_projection():
         for cfg in configs:
             mhc_coefficients.projection_bwd_config = lambda *args, cfg=cfg: cfg
             _uncached()
-            mhc_coefficients.projection_bwd_kernel = Capture()
-            call()
-            mhc_coefficients.projection_bwd_kernel = jit
-            k = captured["k"]
+            k = _compiled_projection_kernel(call)
             resources = f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
             _time(f"coefficients bwd d={dim} {cfg} {resources}", call, nbytes)
         mhc_coefficients.projection_bwd_config = original
@@ -279,19 +286,10 @@ def sweep_projection_compiled():
     fastest three compiled. d = 4096, 2048 and 1024, 16k tokens."""
     tiles = [(bt, bd, w, s) for bt in (32, 64, 128) for bd in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
     config, resident = mhc_coefficients.projection_bwd_config, mhc_coefficients.resident_programs
-    jit, fast = mhc_coefficients.projection_bwd_kernel, _launch.FAST
-    op = torch.ops.mhc.mhc_coefficients_bwd
+    fast, op = _launch.FAST, torch.ops.mhc.mhc_coefficients_bwd
     # a cached graph is found by the graph (one call of the op), not by the kernels it launches
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    captured = {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                captured["k"] = jit[grid](*args, **kwargs)
-
-            return launch
 
     def use(cfg, programs=None):
         """The launcher's rules (``cfg`` None), or ``cfg`` with its splits planned for ``programs``
@@ -322,16 +320,12 @@ def sweep_projection_compiled():
         results = []
         for tile in tiles:
             use((*tile, 2, None))
-            _uncached()  # through kernel[grid], which Capture stands in for, to read the registers
-            mhc_coefficients.projection_bwd_kernel = Capture()
+            _uncached()
             try:
-                call()
+                k = _compiled_projection_kernel(call)
             except Exception as e:  # e.g. more shared memory than the device has
                 print(f"  d={dim} {tile}: failed {type(e).__name__}", flush=True)
                 continue
-            finally:
-                mhc_coefficients.projection_bwd_kernel = jit
-            k = captured["k"]
             programs = max(1, 65536 // (k.n_regs * 32 * tile[2]))
             for waves, rounds_of in [(w, None) for w in (2, 3, 4, 6, 8)] + [(8, programs)]:
                 cfg = (*tile, waves, None)
