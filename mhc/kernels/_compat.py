@@ -6,6 +6,7 @@ The fast launch (:mod:`mhc.kernels._launch`) calls a compiled kernel's own launc
 Triton does not document: ``CompiledKernel.run`` with ``function``, ``packed_metadata`` and
 ``launch_metadata``, the launch hooks of ``triton.knobs`` (Triton >= 3.4) and PyTorch's raw
 current stream. Where any of them is missing every launch goes through ``kernel[grid]``.
+``is_fake`` tells a launch traced on fake tensors (``torch._subclasses``, PyTorch >= 2.1).
 """
 
 from __future__ import annotations
@@ -17,11 +18,26 @@ try:  # Triton >= 3.4
 except ImportError:
     _knobs = None
 
-__all__ = ["FAST_LAUNCH_SUPPORTED", "hook_metadata", "launch_hooks", "launches_directly", "raw_stream", "run"]
+__all__ = [
+    "FAST_LAUNCH_SUPPORTED",
+    "hook_metadata",
+    "is_fake",
+    "launch_hooks",
+    "launches_directly",
+    "raw_stream",
+    "run",
+]
 
 _LAUNCHER_FIELDS = ("run", "function", "packed_metadata", "launch_metadata")
 
 FAST_LAUNCH_SUPPORTED = _knobs is not None and hasattr(torch._C, "_cuda_getCurrentRawStream")
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (a graph being traced: no data, no address)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(t)
 
 
 def launch_hooks() -> tuple:

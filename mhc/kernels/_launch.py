@@ -38,7 +38,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
 
 from mhc.kernels import _compat
 
@@ -66,7 +65,7 @@ def traced_into_graph(t: torch.Tensor) -> bool:
     tensors) rather than run. Inductor compiles such a kernel itself, with the launch's
     ``num_warps`` and ``num_stages`` but not its ``maxnreg``; launchers that cap registers plan
     those launches for uncapped kernels."""
-    return tracing and is_fake(t)
+    return tracing and _compat.is_fake(t)
 
 
 def _specialization(inputs: tuple, scalars: tuple) -> tuple[tuple, list]:
