@@ -326,7 +326,7 @@ def sweep_projection_compiled():
             except Exception as e:  # e.g. more shared memory than the device has
                 print(f"  d={dim} {tile}: failed {type(e).__name__}", flush=True)
                 continue
-            programs = max(1, 65536 // (k.n_regs * 32 * tile[2]))
+            programs = max(1, resident(k.n_regs, tile[2]))  # what the kernel's registers let an SM hold
             for waves, rounds_of in [(w, None) for w in (2, 3, 4, 6, 8)] + [(8, programs)]:
                 cfg = (*tile, waves, None)
                 use(cfg, rounds_of)

@@ -12,6 +12,7 @@ current stream. Where any of them is missing every launch goes through ``kernel[
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 try:  # Triton >= 3.4
     from triton import knobs as _knobs
@@ -35,9 +36,7 @@ FAST_LAUNCH_SUPPORTED = _knobs is not None and hasattr(torch._C, "_cuda_getCurre
 
 def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``FakeTensor`` (a graph being traced: no data, no address)."""
-    from torch._subclasses.fake_tensor import is_fake as fake
-
-    return fake(t)
+    return _is_fake(t)
 
 
 def launch_hooks() -> tuple:
