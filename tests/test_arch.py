@@ -87,6 +87,23 @@ def test_a_launch_traced_into_a_graph_is_planned_without_register_caps(row, monk
     assert (expected[5] is not None) == (n <= 4 and not fake)
 
 
+@pytest.mark.parametrize("n, d", [(4, 64), (4, 1024), (8, 256)])
+def test_the_capped_and_uncapped_projection_launches_have_their_own_keys(row, n, d):
+    """The fast launch caches a compiled kernel by its plan's key: launches with different
+    options (the capped and the uncapped projection backward, or a sweep's tiles) must not share
+    one."""
+    row("hopper")
+    forget_launch_plans()
+    plan, cpu = mhc_coefficients._projection_plan, torch.device("cpu")
+    plans = {capped: dict(plan(n, d, 4096, torch.bfloat16, True, True, capped, cpu)) for capped in (True, False)}
+    forget_launch_plans()
+    for part in plans[True]:
+        capped, uncapped = plans[True][part], plans[False][part]
+        assert (capped.key == uncapped.key) == (capped.meta == uncapped.meta), part
+    if n <= 4:  # Hopper caps the one-pass kernel's registers
+        assert plans[True]["both"].meta != plans[False]["both"].meta
+
+
 def test_interpreter_takes_small_loss_tiles_whatever_the_row(row):
     for name in _arch.ARCHS:
         row(name)

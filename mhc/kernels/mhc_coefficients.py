@@ -880,7 +880,7 @@ def _projection_plan(n: int, d: int, T: int, dtype, accumulate: bool, split_bf16
             meta.update(maxnreg=maxnreg)
         chunks = n * cdiv(d, block_d)
         splits = token_splits(T, block_t, waves, chunks, device, resident_programs(maxnreg, num_warps))
-        key = ("projection_bwd", n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
+        key = ("projection_bwd", config, n, d, dtype, accumulate, split_bf16, precision, part, BIAS_TILE)
         plans.append((part, LaunchPlan((chunks, splits), meta, key)))
     return tuple(plans)
 
