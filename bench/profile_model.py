@@ -25,16 +25,22 @@ def kernel_times(arm: str, config: dict, compiled: bool, steps: int, seq: int = 
 
     for _ in range(5):
         step()
+    return device_times(step, steps)
+
+
+def device_times(call, reps: int):
+    """``(ms per call, launches per call)`` of every CUDA kernel that ``call`` launches, over
+    ``reps`` calls under ``torch.profiler`` (warm ``call`` up first)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        for _ in range(reps):
+            call()
         torch.cuda.synchronize()
     ms, calls = collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         if event.self_device_time_total > 0:
-            ms[event.key] += event.self_device_time_total / steps / 1e3
-            calls[event.key] += event.count / steps
+            ms[event.key] += event.self_device_time_total / reps / 1e3
+            calls[event.key] += event.count / reps
     return ms, calls
 
 

@@ -342,18 +342,12 @@ def sweep_projection_compiled():
 
 def _print_kernel_times(label, call, reps: int = 20):
     """GPU time per call of each kernel ``call`` launches (``torch.profiler``), in microseconds."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from bench.profile_model import device_times
 
     call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            print(f"    {label} {event.key[:60]}: {event.self_device_time_total / reps:8.1f} us/call", flush=True)
+    ms, _ = device_times(call, reps)
+    for name, per_call in ms.items():
+        print(f"    {label} {name[:60]}: {per_call * 1e3:8.1f} us/call", flush=True)
 
 
 def sweep_projection_split():
