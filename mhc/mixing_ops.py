@@ -335,9 +335,12 @@ def _save_coefficients(ctx, x, params, outputs, settings, at, linked, link, reci
     )
 
 
-def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res):
-    """``(dz_res, grad_x_in, grad_h_post)``: the Sinkhorn backward of ``grad_h_res`` and the
-    incoming gradients, ``None`` replaced by zeros."""
+def _coefficients_backward(ctx, x, saved, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass):
+    """``(dx, packed)`` of a coefficient forward over the streams ``x``: the Sinkhorn backward of
+    ``grad_h_res``, then the coefficient kernels' backward. ``saved``: what
+    :func:`_save_coefficients` saved before the streams (``phi, alpha, p, r, h_pre, h_post`` and
+    the Sinkhorn's tensor); absent gradients count as zeros."""
+    phi, alpha, p, r, h_pre, h_post, sinkhorn_saved = saved
     iters, backward, _, hc_eps = ctx.settings
     if grad_x_in is None:
         grad_x_in = x.new_zeros(_tokens_of(x, x.shape[-1]))
@@ -346,7 +349,9 @@ def _sinkhorn_backward(ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, g
     if grad_h_res is None:
         grad_h_res = torch.zeros_like(sinkhorn_saved)
     dz_res = sinkhorn_bwd_launch(sinkhorn_saved, grad_h_res.contiguous(), iters, backward, hc_eps)
-    return dz_res, grad_x_in, grad_h_post
+    return _launchers(x).coefficients_bwd(
+        x, phi, alpha, p, r, h_pre, h_post, grad_h_pre, grad_h_post, dz_res, grad_x_in, grad_x_pass, hc_eps
+    )
 
 
 def _parameter_grads(ctx, packed):
@@ -397,26 +402,9 @@ class MHCPreMixFunction(torch.autograd.Function):
     def backward(ctx, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass, grad_link=None):
         refuse_double_backward("the fused mHC coefficients (HyperConnection)")
         anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
-        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved), x = _saved_and_streams(ctx, anchor)
+        saved, x = _saved_and_streams(ctx, anchor)
         ctx.at = None
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
-            ctx, x, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
-        )
-        dx, packed = _launchers(x).coefficients_bwd(
-            x,
-            phi,
-            alpha,
-            p,
-            r,
-            h_pre,
-            h_post,
-            grad_h_pre,
-            grad_h_post,
-            dz_res,
-            grad_x_in,
-            grad_x_pass,
-            ctx.settings[3],
-        )
+        dx, packed = _coefficients_backward(ctx, x, saved, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
         return (dx, *_parameter_grads(ctx, packed), None, None, None, None, None, *_grads_after(ctx, anchor))
 
 
@@ -490,7 +478,8 @@ class MHCSeamFunction(torch.autograd.Function):
         anchor = _anchor(ctx, grad_link, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass)
         saved = ctx.saved_tensors
         k = ctx.recipe_len or 1
-        (phi, alpha, p, r, h_pre, h_post, sinkhorn_saved, h_res_l, y, h_post_l, *kept), recipe = saved[:-k], saved[-k:]
+        tensors, recipe = saved[:-k], saved[-k:]
+        coefficients, (h_res_l, y, h_post_l, *kept) = tensors[:7], tensors[7:]
         x = _rebuild(ctx.at, recipe, (), anchor)
         if kept:
             x_next = kept[0]
@@ -499,26 +488,10 @@ class MHCSeamFunction(torch.autograd.Function):
         else:
             x_next = _rebuild(None, recipe, (h_res_l, y, h_post_l), anchor)
         ctx.at = ctx.next_at = None
-        dz_res, grad_x_in, grad_h_post = _sinkhorn_backward(
-            ctx, x_next, h_post, sinkhorn_saved, grad_x_in, grad_h_post, grad_h_res
+        dx_next, packed = _coefficients_backward(
+            ctx, x_next, coefficients, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass
         )
-        run = _launchers(x_next)
-        dx_next, packed = run.coefficients_bwd(
-            x_next,
-            phi,
-            alpha,
-            p,
-            r,
-            h_pre,
-            h_post,
-            grad_h_pre,
-            grad_h_post,
-            dz_res,
-            grad_x_in,
-            grad_x_pass,
-            ctx.settings[3],
-        )
-        dx, dy, dh_res_l, dh_post_l = run.stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
+        dx, dy, dh_res_l, dh_post_l = _launchers(x_next).stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
         after = _grads_after(ctx, anchor)
         return (
             dx,
