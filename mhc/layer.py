@@ -156,6 +156,10 @@ def differentiable_backward(saved: torch.Tensor, grad_out: torch.Tensor, iters: 
 
 
 class _TorchImplicit(torch.autograd.Function):
+    """The reference Sinkhorn forward with the implicit backward (:func:`mhc.reference.sinkhorn_implicit_backward`,
+    PyTorch ops on the saved output). Double backward differentiates those ops, the output through
+    this Function's own implicit backward. ``[..., n, n]`` -> ``[..., n, n]``."""
+
     @staticmethod
     def forward(ctx, logits, iters):
         if torch.compiler.is_compiling():

@@ -17,7 +17,8 @@ __all__ = ["pre_mix", "post_mix"]
 
 
 class _PreMix(torch.autograd.Function):
-    """``x [T, n, d]``, ``h_pre [T, n]`` -> ``[T, d]``."""
+    """``x [T, n, d]``, ``h_pre [T, n]`` -> ``[T, d]``. Double backward: under ``create_graph=True``
+    the backward runs as PyTorch ops, which autograd differentiates again."""
 
     @staticmethod
     def forward(ctx, x, h_pre):
@@ -33,7 +34,8 @@ class _PreMix(torch.autograd.Function):
 
 
 class _PostMix(torch.autograd.Function):
-    """``x [T, n, d]``, ``h_res [T, n, n]``, ``y [T, d]``, ``h_post [T, n]`` -> ``[T, n, d]``."""
+    """``x [T, n, d]``, ``h_res [T, n, n]``, ``y [T, d]``, ``h_post [T, n]`` -> ``[T, n, d]``. Double
+    backward: as :class:`_PreMix`."""
 
     @staticmethod
     def forward(ctx, x, h_res, y, h_post):
