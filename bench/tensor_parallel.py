@@ -12,7 +12,9 @@ out of the row-wise one), the activations between them sequence-sharded, the sit
 :func:`mhc.distributed.parallelize_sites`. Prints per arm the median forward + backward step over
 ``--rounds`` rounds of 10 steps (arms interleaved, 3 warm-up steps) and its peak memory above what
 was allocated before it; ``--profile``: the collectives one step launches, per arm (the sites add
-none: the streams stay sharded).
+none: the streams stay sharded); ``--host``: per rank, the host's time to issue a step against
+the step's wall time, steps started together (a step bound by the host issues in about its wall
+time, and a late rank holds the others in their collectives).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,6 +134,24 @@ def measure(step, world: int) -> tuple[list[float], float]:
     return times, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def host_times(step, world: int, steps: int = 10) -> tuple[float, float]:
+    """Median over ``steps`` steps, each started together on every rank (barrier, then a device
+    sync): the host's time to issue the step and the step's wall time, in ms. A step whose host
+    time is close to its wall time is bound by the host."""
+    issue, wall = [], []
+    for _ in range(steps):
+        if world > 1:
+            dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        issue.append((issued - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(issue), statistics.median(wall)
+
+
 def collectives(step) -> dict[str, int]:
     """How many NCCL kernels of each kind one step launches."""
     from torch.profiler import ProfilerActivity, profile
@@ -156,6 +177,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="count the collectives of one step per arm")
     p.add_argument("--compile", action="store_true", help="compile each site (mHC) or branch (plain)")
+    p.add_argument("--host", action="store_true", help="per rank: host time to issue a step against its wall time")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
@@ -174,6 +196,17 @@ def main() -> None:
             ms = statistics.median(times[arm])
             print(f"{world} GPU(s) d={args.dim} {args.tokens} tok {arm:>6}: {ms:8.2f} ms, peak {peaks[arm]:6.2f} GiB",
                   flush=True)  # fmt: skip
+    if args.host:
+        for arm, step in steps.items():
+            issue, wall = host_times(step, world)
+            ranks = [None] * world
+            if world > 1:
+                dist.all_gather_object(ranks, (issue, wall))
+            else:
+                ranks = [(issue, wall)]
+            if rank == 0:
+                each = ", ".join(f"rank {r}: {i:.1f} / {w:.1f} ms" for r, (i, w) in enumerate(ranks))
+                print(f"{world} GPU(s) {arm:>6} host issue / wall per step, started together: {each}", flush=True)
     if args.profile:
         for arm, step in steps.items():
             counts = collectives(step)
