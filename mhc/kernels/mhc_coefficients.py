@@ -1012,7 +1012,7 @@ def projection_bwd_config(
             # rounds of them (faster than uncapped registers or 8 programs per SM at every d swept)
             return 64, 64, 4, stages, 6, 168
         # two stages: 166 registers uncapped, three programs per SM still (three stages: 182, two)
-        return 64, 64, 4, 2, 6, None
+        return 64, 64, 4, min(2, limits.max_stages), 6, None
     if n <= 8:
         # the dx pass of the split backward (projection_passes): 128 registers with a tf32 product,
         # 244 with tf32x3, no spills; fp32 tiles need two stages to fit in shared memory
