@@ -7,9 +7,9 @@ computes is per token, so a site runs on its rank's shard of the streams as it i
 values as on the whole sequence. :func:`parallelize_sites` makes the sites' own parameters
 ``DTensor``\\ s replicated over the group's mesh (``Replicate()``, as torchtitan's
 ``SequenceParallel`` does for norms); each rank's gradient covers its own tokens and arrives as a
-partial sum (``Partial()``). It is reduced once, when it accumulates in ``.grad`` (one all-reduce
-per parameter, during the backward), so the optimizer's ops read a replicated gradient; under
-FSDP2 on a 2-D ``(dp, tp)`` mesh, which computes with unsharded copies, FSDP2 reduces it. The
+partial sum (``Partial()``). The partial sums are reduced once, at the end of the backward, all
+of one mesh and dtype in one all-reduce, so the optimizer's ops read a replicated gradient; under
+FSDP2 on a 2-D ``(dp, tp)`` mesh, which computes with unsharded copies, FSDP2 reduces them. The
 branches inside the sites are parallelized by the model's own tensor-parallel plan (which gathers
 the sequence where a branch needs all of it, as attention does).
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mhc._compat import after_backward
 from mhc._sharding import is_dtensor
 from mhc.mixing import LaneMixer, StreamCollapse, StreamExpand
 from mhc.sites import Site
@@ -67,7 +68,9 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
     Their own parameters become ``DTensor``\\ s replicated over ``mesh`` (a 1-D ``DeviceMesh``,
     for example ``mesh["tp"]`` of a 2-D ``(dp, tp)`` mesh, or a process group; default: the
     default process group), with rank 0's values. Their gradients, partial sums over the ranks'
-    tokens (``Partial()``), are all-reduced once as they accumulate (under FSDP2: by FSDP2). A
+    tokens (``Partial()``), are all-reduced at the end of each backward, in one collective per
+    mesh and dtype (under FSDP2: by FSDP2). A gradient that accumulates onto a reduced one
+    (micro-batches without ``zero_grad``) is reduced as it accumulates, by ``DTensor``. A
     ``DTensor`` input sharded on ``sequence_dim`` runs as its local shard. Call it after the
     parameters are initialised and before ``fully_shard``, as torchtitan orders tensor parallel
     and FSDP2. Returns ``model``, changed in place.
@@ -91,8 +94,9 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
     if any(m._mhc_sequence_parallel for m in modules):
         raise ValueError("these sites are sequence-parallel already: parallelize_sites runs once per model")
     mesh = _one_dim_mesh(mesh, next(modules[0].parameters()).device.type)
+    reducer = _PartialGradients()
     for module in modules:
-        _replicate_parameters(module, mesh)
+        _replicate_parameters(module, mesh, reducer)
         module.register_forward_pre_hook(_to_local_shard(sequence_dim), with_kwargs=True)
         module.register_forward_hook(_to_dtensor_like_input, with_kwargs=True)
         module._mhc_sequence_parallel = True
@@ -111,25 +115,66 @@ def _one_dim_mesh(mesh, device_type: str):
     return mesh
 
 
-def _replicate_parameters(module: nn.Module, mesh) -> None:
+def _replicate_parameters(module: nn.Module, mesh, reducer: _PartialGradients) -> None:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     for name, p in list(module.named_parameters(recurse=False)):
         replicated = distribute_tensor(p.detach(), mesh, [Replicate()])  # rank 0's values on every rank
         param = nn.Parameter(replicated, requires_grad=p.requires_grad)
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            reducer.add(param)
         module.register_parameter(name, param)
 
 
-def _reduce_partial_grad(param: nn.Parameter) -> None:
-    """The accumulated gradient's partial sums reduced here, once per backward: otherwise every
-    optimizer op that reads it would all-reduce it again."""
+class _PartialGradients:
+    """Reduces the partial-sum gradients of one model's site parameters once per backward: each
+    parameter's accumulation marks it, and at the end of the backward the marked gradients of one
+    mesh and dtype go through a single all-reduce. One collective per parameter would cost each its
+    own launch and ``DTensor`` redistribution on the host, in the middle of the backward."""
+
+    def __init__(self):
+        self.order: dict[int, int] = {}  # id(param) -> registration index: the same order on every rank
+        self.pending: list[nn.Parameter] = []
+
+    def add(self, param: nn.Parameter) -> None:
+        self.order[id(param)] = len(self.order)
+        param.register_post_accumulate_grad_hook(self.mark)
+
+    def mark(self, param: nn.Parameter) -> None:
+        self.pending.append(param)
+        after_backward(self.flush)  # queued by each mark, so a backward that raised never strands one
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        buckets: dict[tuple, list[nn.Parameter]] = {}
+        for param in sorted(pending, key=lambda q: self.order[id(q)]):
+            grad = param.grad
+            if grad is None or not any(p.is_partial() for p in grad.placements):
+                continue  # accumulated onto a replicated gradient: DTensor reduced it already
+            if all(p.is_partial("sum") for p in grad.placements):
+                buckets.setdefault((grad.device_mesh, grad.dtype), []).append(param)
+            else:
+                param.grad = _replicated(grad)
+        with torch.no_grad():
+            for (mesh, _), params in buckets.items():
+                _reduce_bucket(params, mesh)
+
+
+def _replicated(grad):
     from torch.distributed.tensor import Replicate
 
-    grad = param.grad
-    if grad is not None and any(p.is_partial() for p in grad.placements):
-        param.grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+    return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+
+
+def _reduce_bucket(params: list[nn.Parameter], mesh) -> None:
+    """Sum the partial gradients of ``params`` (all of ``mesh``, one dtype) in one all-reduce."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = [p.grad.to_local() for p in params]
+    flat = torch.cat([t.reshape(-1) for t in local])
+    dist.all_reduce(flat, group=mesh.get_group())
+    for param, t, summed in zip(params, local, flat.split([t.numel() for t in local])):
+        param.grad = DTensor.from_local(summed.view(t.shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _to_local_shard(sequence_dim: int):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc.distributed import parallelize_sites, reduce_gradients
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
@@ -27,17 +28,18 @@ from mhc.recompute import recompute_streams
 from tests.site_stack import through_sites
 
 DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6
-SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches, compiled)
-    "torch": ("torch", False, False, False, False, False),
-    "torch_chained_recompute": ("torch", True, True, False, False, False),
-    "triton": ("triton", False, False, False, False, False),
-    "triton_chained": ("triton", True, False, False, False, False),
-    "torch_dtensor": ("torch", False, False, True, False, False),
-    "torch_tp": ("torch", False, False, False, True, False),
-    "triton_chained_tp": ("triton", True, False, False, True, False),
-    "triton_tp_compiled": ("triton", False, False, False, True, True),  # on GPUs only
+SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches, compiled, backward passes)
+    "torch": ("torch", False, False, False, False, False, 1),
+    "torch_accumulated": ("torch", False, False, False, False, False, 2),  # two backwards, no zero_grad
+    "torch_chained_recompute": ("torch", True, True, False, False, False, 1),
+    "triton": ("triton", False, False, False, False, False, 1),
+    "triton_chained": ("triton", True, False, False, False, False, 1),
+    "torch_dtensor": ("torch", False, False, True, False, False, 1),
+    "torch_tp": ("torch", False, False, False, True, False, 1),
+    "triton_chained_tp": ("triton", True, False, False, True, False, 1),
+    "triton_tp_compiled": ("triton", False, False, False, True, True, 1),  # on GPUs only
 }
-CPU_SCENARIOS = [name for name, s in SCENARIOS.items() if not s[-1]]
+CPU_SCENARIOS = [name for name, s in SCENARIOS.items() if not s[5]]
 
 
 class Model(nn.Module):
@@ -70,11 +72,12 @@ def batch():
 
 def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
     """One scenario on the whole sequence (``shard=None``) or on shard ``(rank, world)``."""
-    backend, chained, recompute, dtensor, tp, compiled = SCENARIOS[name]
+    backend, chained, recompute, dtensor, tp, compiled, passes = SCENARIOS[name]
     model = Model(backend).to(device)
     if recompute:
         recompute_streams(model, every=2)
     x, weight = (t.to(device) for t in batch())
+    hooked = 0
     if shard is not None:
         rank, world = shard
         piece = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
@@ -85,23 +88,45 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
 
             tensor_parallel_branches(model, init_device_mesh(device, (world,)))
         else:  # replicated per-token branches: their gradients are summed like the sites'
-            reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
+            hooked = reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
     x.requires_grad_()
-    if dtensor and shard is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = init_device_mesh(device, (world,))
-        streams = DTensor.from_local(x, mesh, [Shard(1)])
-        for site in model.sites:
-            streams = site(streams)
-        out = model.collapse(model.lanes(streams.to_local()))
-    else:
-        out = (torch.compile(model) if compiled else model)(x, chained)
-    (out * weight).sum().backward()
+    all_reduces = None
+    for step in range(passes):
+        out = forward(model, x, chained, dtensor and shard is not None, compiled)
+        if step == 0 and shard is not None and backend == "torch":  # a dispatch mode routes the fused path
+            with AllReduces() as counted:  # through its ops: counted on the reference path only
+                (out * weight).sum().backward()
+            all_reduces = counted.count
+        else:
+            (out * weight).sum().backward()
     grads = {n: _full(p.grad).cpu() for n, p in model.named_parameters()}
     partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in _placements(p.grad)))
-    return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads, partial=partial)
+    return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads, partial=partial, all_reduces=all_reduces,
+                hooked=hooked)  # fmt: skip
+
+
+class AllReduces(TorchDispatchMode):
+    """Counts the all-reduces run while it is active (``dist.all_reduce`` and DTensor's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in ("allreduce_", "all_reduce")
+        return func(*args, **(kwargs or {}))
+
+
+def forward(model: Model, x: torch.Tensor, chained: bool, dtensor: bool, compiled: bool) -> torch.Tensor:
+    if not dtensor:
+        return (torch.compile(model) if compiled else model)(x, chained)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    streams = DTensor.from_local(x, init_device_mesh(x.device.type, (dist.get_world_size(),)), [Shard(1)])
+    for site in model.sites:
+        streams = site(streams)
+    return model.collapse(model.lanes(streams.to_local()))
 
 
 def tensor_parallel_branches(model, mesh) -> None:
@@ -138,7 +163,8 @@ def main(out_dir: str, device: str) -> None:
     for name in SCENARIOS if device == "cuda" else CPU_SCENARIOS:
         got = run(name, (rank, world), device)
         outputs = (gather(got[k], world).cpu() for k in ("out", "x_grad"))
-        result = dict(zip(("out", "x_grad"), outputs), grads=got["grads"], partial=got["partial"])
+        result = dict(zip(("out", "x_grad"), outputs))
+        result.update((k, got[k]) for k in ("grads", "partial", "all_reduces", "hooked"))
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{name}.pt")
     dist.destroy_process_group()

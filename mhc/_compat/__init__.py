@@ -89,6 +89,12 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def after_backward(callback) -> None:
+    """Run ``callback`` once the autograd backward now executing has finished (the engine's
+    callback queue, as DDP and FSDP use it). Call it only from inside a backward (a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 _installed = False
 
 
