@@ -12,9 +12,10 @@ out of the row-wise one), the activations between them sequence-sharded, the sit
 :func:`mhc.distributed.parallelize_sites`. Prints per arm the median forward + backward step over
 ``--rounds`` rounds of 10 steps (arms interleaved, 3 warm-up steps) and its peak memory above what
 was allocated before it; ``--profile``: the collectives one step launches, per arm (the sites add
-none: the streams stay sharded); ``--host``: per rank, the host's time to issue a step against
-the step's wall time, steps started together (a step bound by the host issues in about its wall
-time, and a late rank holds the others in their collectives).
+none: the streams stay sharded), and per rank the step's GPU time in them and in the rest;
+``--host``: per rank, the host's time to issue a step against the step's wall time, steps started
+together (a step bound by the host issues in about its wall time, and a late rank holds the others
+in their collectives).
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ def build(arm: str, args, world: int):
     seq = args.seq // world
     h = torch.randn(args.tokens // args.seq, seq, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(h)
-    return lambda: model(h).backward(grad)
+
+    def step():  # a training step's forward and backward: gradients cleared first, as the optimizer's step does
+        model.zero_grad(set_to_none=True)
+        model(h).backward(grad)
+
+    return step
 
 
 def measure(step, world: int) -> tuple[list[float], float]:
@@ -152,19 +158,33 @@ def host_times(step, world: int, steps: int = 10) -> tuple[float, float]:
     return statistics.median(issue), statistics.median(wall)
 
 
-def collectives(step) -> dict[str, int]:
-    """How many NCCL kernels of each kind one step launches."""
+def collectives(step) -> tuple[dict[str, int], str]:
+    """How many NCCL kernels of each kind one step launches, and where its GPU time goes: the
+    kernels' span, the time in collectives and in the rest, and the five longest other kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.device_type.name == "CUDA" and "nccl" in event.name.lower():
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = {"nccl": 0.0, "other": 0.0}
+    other: dict[str, float] = {}
+    for event in kernels:
+        us = event.time_range.elapsed_us()
+        if "nccl" in event.name.lower():
             kind = event.name.split("(")[0]
             counts[kind] = counts.get(kind, 0) + 1
-    return counts
+            busy["nccl"] += us
+        else:
+            busy["other"] += us
+            other[event.name[:60]] = other.get(event.name[:60], 0.0) + us
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:5]
+    summary = f"span {span / 1e3:.1f} ms, collectives {busy['nccl'] / 1e3:.1f} ms, "
+    summary += f"other kernels {busy['other'] / 1e3:.1f} ms; "
+    summary += "longest: " + "; ".join(f"{name} {us / 1e3:.2f} ms" for name, us in top)
+    return counts, summary
 
 
 def main() -> None:
@@ -193,9 +213,9 @@ def main() -> None:
             times[arm] += t
     if rank == 0:
         for arm in args.arms:
-            ms = statistics.median(times[arm])
-            print(f"{world} GPU(s) d={args.dim} {args.tokens} tok {arm:>6}: {ms:8.2f} ms, peak {peaks[arm]:6.2f} GiB",
-                  flush=True)  # fmt: skip
+            ms, low, high = statistics.median(times[arm]), min(times[arm]), max(times[arm])
+            print(f"{world} GPU(s) d={args.dim} {args.tokens} tok {arm:>6}: {ms:8.2f} ms ({low:.1f} .. {high:.1f}), "
+                  f"peak {peaks[arm]:6.2f} GiB", flush=True)  # fmt: skip
     if args.host:
         for arm, step in steps.items():
             issue, wall = host_times(step, world)
@@ -209,9 +229,14 @@ def main() -> None:
                 print(f"{world} GPU(s) {arm:>6} host issue / wall per step, started together: {each}", flush=True)
     if args.profile:
         for arm, step in steps.items():
-            counts = collectives(step)
+            counts, summary = collectives(step)
+            summaries = [summary] * world
+            if world > 1:
+                dist.all_gather_object(summaries, summary)
             if rank == 0:
                 print(f"{world} GPU(s) {arm:>6} collectives per step: {dict(sorted(counts.items()))}", flush=True)
+                for r, text in enumerate(summaries):
+                    print(f"    rank {r}: {text}", flush=True)
     if world > 1:
         dist.destroy_process_group()
 
