@@ -3,6 +3,8 @@
 
 - :func:`dispatch_mode_active`, :func:`top_saved_tensor_hooks`, :func:`in_backward`: state of the
   dispatcher and of autograd that PyTorch exposes only through ``torch._C``.
+- :func:`after_backward`: the autograd engine's callback queue (``Variable._execution_engine``),
+  which DDP and FSDP use to act once a backward has finished.
 - :func:`backport_checkpoint_tags`: the checkpoint tagging fix of PyTorch 2.12, below.
 - :mod:`mhc._compat.write_analysis`: one write analysis per kernel specialization while
   ``torch.compile`` traces mhc's kernels (wraps ``torch._higher_order_ops.triton_kernel_wrap``).
