@@ -149,21 +149,13 @@ class _PartialGradients:
         buckets: dict[tuple, list[nn.Parameter]] = {}
         for param in sorted(pending, key=lambda q: self.order[id(q)]):
             grad = param.grad
-            if grad is None or not any(p.is_partial() for p in grad.placements):
-                continue  # accumulated onto a replicated gradient: DTensor reduced it already
-            if all(p.is_partial("sum") for p in grad.placements):
+            # the mesh is 1-D; its partial is a sum (local_parameters and the ops' sharding rules)
+            if grad is not None and grad.placements[0].is_partial():
                 buckets.setdefault((grad.device_mesh, grad.dtype), []).append(param)
-            else:
-                param.grad = _replicated(grad)
+            # else: accumulated onto a replicated gradient, which DTensor reduced already
         with torch.no_grad():
             for (mesh, _), params in buckets.items():
                 _reduce_bucket(params, mesh)
-
-
-def _replicated(grad):
-    from torch.distributed.tensor import Replicate
-
-    return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
 
 
 def _reduce_bucket(params: list[nn.Parameter], mesh) -> None:

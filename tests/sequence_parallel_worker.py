@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,18 +29,30 @@ from mhc.recompute import recompute_streams
 from tests.site_stack import through_sites
 
 DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6
-SCENARIOS = {  # name: (backend, chained, recompute, dtensor, tensor-parallel branches, compiled, backward passes)
-    "torch": ("torch", False, False, False, False, False, 1),
-    "torch_accumulated": ("torch", False, False, False, False, False, 2),  # two backwards, no zero_grad
-    "torch_chained_recompute": ("torch", True, True, False, False, False, 1),
-    "triton": ("triton", False, False, False, False, False, 1),
-    "triton_chained": ("triton", True, False, False, False, False, 1),
-    "torch_dtensor": ("torch", False, False, True, False, False, 1),
-    "torch_tp": ("torch", False, False, False, True, False, 1),
-    "triton_chained_tp": ("triton", True, False, False, True, False, 1),
-    "triton_tp_compiled": ("triton", False, False, False, True, True, 1),  # on GPUs only
+
+
+class Scenario(NamedTuple):
+    backend: str
+    chained: bool = False
+    recompute: bool = False
+    dtensor: bool = False  # streams handed over as DTensors
+    tensor_parallel: bool = False  # the branches' own TP + SP plan
+    compiled: bool = False  # on GPUs only
+    passes: int = 1  # backwards accumulated without zero_grad
+
+
+SCENARIOS = {
+    "torch": Scenario("torch"),
+    "torch_accumulated": Scenario("torch", passes=2),
+    "torch_chained_recompute": Scenario("torch", chained=True, recompute=True),
+    "triton": Scenario("triton"),
+    "triton_chained": Scenario("triton", chained=True),
+    "torch_dtensor": Scenario("torch", dtensor=True),
+    "torch_tp": Scenario("torch", tensor_parallel=True),
+    "triton_chained_tp": Scenario("triton", chained=True, tensor_parallel=True),
+    "triton_tp_compiled": Scenario("triton", tensor_parallel=True, compiled=True),
 }
-CPU_SCENARIOS = [name for name, s in SCENARIOS.items() if not s[5]]
+CPU_SCENARIOS = [name for name, s in SCENARIOS.items() if not s.compiled]
 
 
 class Model(nn.Module):

@@ -72,7 +72,7 @@ def assert_same(got, want):
 def test_two_sequence_shards_equal_one_process(results, scenario):
     got = torch.load(results / f"{scenario}.pt")
     assert_same(got, worker.run(scenario, shard=None))
-    if worker.SCENARIOS[scenario][0] == "torch":  # counted on the reference path
+    if worker.SCENARIOS[scenario].backend == "torch":  # counted on the reference path
         # the hooked branch parameters one all-reduce each; every site gradient in one more
         assert got["all_reduces"] == got["hooked"] + 1
 
