@@ -12,6 +12,9 @@ declared a partial sum (``Partial``): each rank's gradient covers its own tokens
 
 from __future__ import annotations
 
+import torch
+
+from mhc._compat import unsharded_dtensor
 from mhc._sharding import is_dtensor
 
 __all__ = ["assign", "local_parameters"]
@@ -22,7 +25,15 @@ def local_parameters(module, params: tuple) -> tuple:
     sequence-parallel (``module._mhc_sequence_parallel``), then each ``DTensor``'s local tensor."""
     if not module._mhc_sequence_parallel:
         return params
-    return tuple(None if p is None else _local(p) for p in params)
+    if torch.compiler.is_compiling() or not all(p is None or _replicated(p) for p in params):
+        return tuple(None if p is None else _local(p) for p in params)
+    present = [p for p in params if p is not None]
+    local = iter(_LocalTensors.apply(*present))
+    return tuple(None if p is None else next(local) for p in params)
+
+
+def _replicated(p) -> bool:
+    return is_dtensor(p) and all(q.is_replicate() for q in p.placements)
 
 
 def _local(p):
@@ -31,6 +42,33 @@ def _local(p):
     from torch.distributed.tensor import Partial
 
     return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
+
+
+class _LocalTensors(torch.autograd.Function):
+    """The local tensors of replicated ``DTensor`` parameters, their gradients ``Partial()``: what
+    ``p.to_local(grad_placements=[Partial()])`` gives, in one autograd node for all of a module's
+    parameters and with the gradients' specs reused (:func:`mhc._compat.unsharded_dtensor`), so a
+    site's host work under sequence parallelism does not grow by a node and a spec per parameter.
+    Double backward goes through ``DTensor.from_local``, which autograd follows."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.meshes = [p.device_mesh for p in params]
+        ctx.set_materialize_grads(False)
+        # without grad mode to_local() is the local tensor itself; autograd writes its metadata
+        # into what a Function returns, hence fresh views
+        return tuple(p.to_local().view_as(p.to_local()) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed.tensor import DTensor, Partial
+
+        def partial(g, mesh):
+            if torch.is_grad_enabled():  # create_graph: a gradient that autograd differentiates again
+                return DTensor.from_local(g, mesh, [Partial()] * mesh.ndim, run_check=False)
+            return unsharded_dtensor(g, mesh, Partial())
+
+        return tuple(None if g is None else partial(g, mesh) for g, mesh in zip(grads, ctx.meshes))
 
 
 def assign(param, value) -> None:

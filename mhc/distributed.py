@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhc._compat import after_backward
+from mhc._compat import after_backward, backward_task, unsharded_dtensor
 from mhc._sharding import is_dtensor
 from mhc.mixing import LaneMixer, StreamCollapse, StreamExpand
 from mhc.sites import Site
@@ -135,6 +135,7 @@ class _PartialGradients:
     def __init__(self):
         self.order: dict[int, int] = {}  # id(param) -> registration index: the same order on every rank
         self.pending: list[nn.Parameter] = []
+        self.queued_for = None  # the backward whose end runs flush
 
     def add(self, param: nn.Parameter) -> None:
         self.order[id(param)] = len(self.order)
@@ -142,7 +143,11 @@ class _PartialGradients:
 
     def mark(self, param: nn.Parameter) -> None:
         self.pending.append(param)
-        after_backward(self.flush)  # queued by each mark, so a backward that raised never strands one
+        task = backward_task()
+        # queued once per backward, by its first mark: one that raised strands none in the next
+        if task is None or task != self.queued_for:
+            self.queued_for = task
+            after_backward(self.flush)
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
@@ -160,13 +165,13 @@ class _PartialGradients:
 
 def _reduce_bucket(params: list[nn.Parameter], mesh) -> None:
     """Sum the partial gradients of ``params`` (all of ``mesh``, one dtype) in one all-reduce."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
 
     local = [p.grad.to_local() for p in params]
     flat = torch.cat([t.reshape(-1) for t in local])
     dist.all_reduce(flat, group=mesh.get_group())
     for param, t, summed in zip(params, local, flat.split([t.numel() for t in local])):
-        param.grad = DTensor.from_local(summed.view(t.shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        param.grad = unsharded_dtensor(summed.view(t.shape), mesh, Replicate())
 
 
 def _to_local_shard(sequence_dim: int):

@@ -13,6 +13,7 @@ atomic additions on a GPU.)
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mhc._library import REGISTERED
 from mhc.layer import sinkhorn
@@ -307,3 +308,47 @@ def test_functional_mixes_run_on_token_shards(mesh):
     torch.testing.assert_close(out.to_local(), ref, rtol=1e-6, atol=1e-6)
     for got, expected in zip(leaves, want):
         torch.testing.assert_close(got.grad.to_local(), expected.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "double-backward"])
+@pytest.mark.parametrize("present", [(True, True, True), (True, False, True)], ids=["all", "with-None"])
+def test_local_parameters_of_a_sequence_parallel_module(mesh, create_graph, present):
+    """A sequence-parallel module's replicated parameters as the ops take them: their local
+    tensors (``None`` kept in its place), the gradients partial sums (``Partial()``) with the
+    values of ``to_local(grad_placements=[Partial()])``, and with ``create_graph`` gradients that
+    autograd differentiates again."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from mhc._local import local_parameters
+
+    g = torch.Generator().manual_seed(5)
+    values = [randn(N * D, M, g=g), randn(3, g=g), randn(M, g=g)]
+    weights = [randn(*v.shape, g=g) for v in values]
+    module = type("Module", (), {"_mhc_sequence_parallel": True})()
+
+    def run(unwrap):
+        params = [nn.Parameter(DTensor.from_local(v.clone(), mesh, [Replicate()], run_check=False)) for v in values]
+        given = tuple(p if keep else None for p, keep in zip(params, present))
+        local = unwrap(given)
+        assert [t is None for t in local] == [t is None for t in given]
+        used = [(p, t, w) for p, t, w in zip(params, local, weights) if t is not None]
+        assert all(type(t) is torch.Tensor for _, t, _ in used)
+        loss = sum((w * t * t).sum() for _, t, w in used)
+        grads = torch.autograd.grad(loss, [p for p, _, _ in used], create_graph=create_graph)
+        assert all(gr.placements == (Partial(),) for gr in grads)
+        if create_graph:  # d/dp sum(w * dloss/dp) = 2 w w
+            sum((gr.to_local() * w).sum() for gr, (_, _, w) in zip(grads, used)).backward()
+            return [gr.to_local() for gr in grads], [p.grad.full_tensor() for p, _, _ in used]
+        return [gr.to_local() for gr in grads], []
+
+    def to_local(params):
+        return tuple(None if p is None else p.to_local(grad_placements=[Partial()]) for p in params)
+
+    got, got_second = run(lambda params: local_parameters(module, params))
+    want, want_second = run(to_local)
+    for a, b in zip(got + got_second, want + want_second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if create_graph:
+        kept = [w for w, keep in zip(weights, present) if keep]
+        for second, w in zip(got_second, kept):
+            torch.testing.assert_close(second, 2 * w * w, rtol=1e-6, atol=1e-6)

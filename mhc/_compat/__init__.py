@@ -3,8 +3,11 @@
 
 - :func:`dispatch_mode_active`, :func:`top_saved_tensor_hooks`, :func:`in_backward`: state of the
   dispatcher and of autograd that PyTorch exposes only through ``torch._C``.
-- :func:`after_backward`: the autograd engine's callback queue (``Variable._execution_engine``),
-  which DDP and FSDP use to act once a backward has finished.
+- :func:`after_backward`, :func:`backward_task`: the autograd engine's callback queue
+  (``Variable._execution_engine``), which DDP and FSDP use to act once a backward has finished,
+  and the id of the backward now running.
+- :func:`unsharded_dtensor`: a ``DTensor`` made from its spec (``DTensorSpec``), which the
+  sequence-parallel sites' gradients reuse instead of building one per parameter per step.
 - :func:`backport_checkpoint_tags`: the checkpoint tagging fix of PyTorch 2.12, below.
 - :mod:`mhc._compat.write_analysis`: one write analysis per kernel specialization while
   ``torch.compile`` traces mhc's kernels (wraps ``torch._higher_order_ops.triton_kernel_wrap``).
@@ -36,7 +39,8 @@ import os
 import torch
 
 __all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "is_plain", "through_ops", "marked_must_save",
-           "top_saved_tensor_hooks", "in_backward", "materialized"]  # fmt: skip
+           "top_saved_tensor_hooks", "in_backward", "materialized", "after_backward", "backward_task",
+           "unsharded_dtensor"]  # fmt: skip
 
 
 _TAGS = ("ac_graph_id", "recompute")
@@ -91,10 +95,43 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def backward_task():
+    """The id of the autograd backward now executing (each ``backward()`` call, and each nested
+    one, gets its own), or ``None`` where PyTorch does not expose it."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return None if task is None else task()
+
+
 def after_backward(callback) -> None:
     """Run ``callback`` once the autograd backward now executing has finished (the engine's
     callback queue, as DDP and FSDP use it). Call it only from inside a backward (a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+_SPECS: dict = {}
+
+
+def unsharded_dtensor(local: torch.Tensor, mesh, placement) -> torch.Tensor:
+    """``DTensor.from_local(local, mesh, [placement] * mesh.ndim, run_check=False)`` for a
+    ``placement`` that shards nothing (``Replicate()`` or ``Partial()``: the global shape is the
+    local one). ``from_local`` builds a spec and an autograd node per call, host work that the
+    sites' parameter gradients would pay per parameter per step; here the spec is built once per
+    mesh, placement, shape, stride and dtype. Not differentiable: call it without grad mode (a
+    backward without ``create_graph``, or under ``torch.no_grad()``)."""
+    key = (mesh, placement, local.shape, local.stride(), local.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        try:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        except ImportError:  # a PyTorch that moved the spec: the public path
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(local, mesh, [placement] * mesh.ndim, run_check=False)
+        meta = TensorMeta(shape=local.shape, stride=local.stride(), dtype=local.dtype)
+        spec = _SPECS[key] = DTensorSpec(mesh, (placement,) * mesh.ndim, tensor_meta=meta)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
 
 
 _installed = False
