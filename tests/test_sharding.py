@@ -326,7 +326,7 @@ def test_local_parameters_of_a_sequence_parallel_module(mesh, create_graph, pres
     weights = [randn(*v.shape, g=g) for v in values]
     module = type("Module", (), {"_mhc_sequence_parallel": True})()
 
-    def run(unwrap):
+    def run(unwrap, create_graph):
         params = [nn.Parameter(DTensor.from_local(v.clone(), mesh, [Replicate()], run_check=False)) for v in values]
         given = tuple(p if keep else None for p, keep in zip(params, present))
         local = unwrap(given)
@@ -336,19 +336,15 @@ def test_local_parameters_of_a_sequence_parallel_module(mesh, create_graph, pres
         loss = sum((w * t * t).sum() for _, t, w in used)
         grads = torch.autograd.grad(loss, [p for p, _, _ in used], create_graph=create_graph)
         assert all(gr.placements == (Partial(),) for gr in grads)
-        if create_graph:  # d/dp sum(w * dloss/dp) = 2 w w
+        if create_graph:
             sum((gr.to_local() * w).sum() for gr, (_, _, w) in zip(grads, used)).backward()
-            return [gr.to_local() for gr in grads], [p.grad.full_tensor() for p, _, _ in used]
-        return [gr.to_local() for gr in grads], []
+            for p, _, w in used:  # d/dp sum(w * dloss/dp) = 2 w w
+                torch.testing.assert_close(p.grad.full_tensor(), 2 * w * w, rtol=1e-6, atol=1e-6)
+        return [gr.to_local() for gr in grads]
 
     def to_local(params):
         return tuple(None if p is None else p.to_local(grad_placements=[Partial()]) for p in params)
 
-    got, got_second = run(lambda params: local_parameters(module, params))
-    want, want_second = run(to_local)
-    for a, b in zip(got + got_second, want + want_second):
+    got = run(lambda params: local_parameters(module, params), create_graph)
+    for a, b in zip(got, run(to_local, False), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    if create_graph:
-        kept = [w for w, keep in zip(weights, present) if keep]
-        for second, w in zip(got_second, kept):
-            torch.testing.assert_close(second, 2 * w * w, rtol=1e-6, atol=1e-6)
