@@ -150,7 +150,9 @@ class _PartialGradients:
             after_backward(self.flush)
 
     def flush(self) -> None:
-        pending, self.pending = self.pending, []
+        # once each: a backward that raised leaves its marks for the next one to reduce
+        pending = {id(param): param for param in self.pending}.values()
+        self.pending = []
         buckets: dict[tuple, list[nn.Parameter]] = {}
         for param in sorted(pending, key=lambda q: self.order[id(q)]):
             grad = param.grad

@@ -348,3 +348,42 @@ def test_local_parameters_of_a_sequence_parallel_module(mesh, create_graph, pres
     got = run(lambda params: local_parameters(module, params), create_graph)
     for a, b in zip(got, run(to_local, False), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_site_gradients_reduced_after_a_backward_that_raised(mesh):
+    """A backward that raises after the sites' parameters took their partial gradients never runs
+    its end-of-backward reduction; the next backward reduces them all (nothing stays ``Partial()``
+    or pending), with one all-reduce for the sites' parameters."""
+    from torch.distributed.tensor import Replicate
+
+    from mhc.distributed import parallelize_sites
+    from mhc.mixing import HyperConnection
+
+    class RaiseInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("stop here")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(HyperConnection(D, N, branch=nn.Linear(D, D), backend="torch") for _ in range(2)))
+    model = parallelize_sites(model.to(KERNEL_DEVICE), mesh)
+    site_params = [p for n, p in model.named_parameters() if ".branch." not in n]
+    x = torch.randn(2, T, N, D, device=KERNEL_DEVICE, requires_grad=True)
+    grad = torch.randn_like(x)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model(RaiseInBackward.apply(x)).backward(grad)
+    assert all(p.grad is not None and p.grad.placements[0].is_partial() for p in site_params)
+
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: calls.append(tensor.numel()) or original(tensor, *args, **kwargs)
+    try:
+        model(x).backward(grad)
+    finally:
+        dist.all_reduce = original
+    assert [p.grad.placements for p in site_params] == [(Replicate(),)] * len(site_params)
+    assert calls == [sum(p.numel() for p in site_params)]
