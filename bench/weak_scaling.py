@@ -5,7 +5,10 @@ tokens per GPU on 1 and on N GPUs, several runs each.
 
 The driver launches one ``torchrun`` job per (tokens, GPUs); a job builds each arm's model afresh
 for every run, the arms interleaved within a run, and times it. The driver writes ``scaling.csv``
-and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run).
+and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run);
+the CSV also holds the host's median time to issue a step (``step()`` returned, before the device
+sync): a step issued in about its wall time is bound by the host. ``--pin K`` pins rank ``r`` to
+the ``r``-th ``K`` of the cores the job may use.
 ``--profile`` adds a torch.profiler trace
 summary of each arm's step on the largest GPU count (``profile_<arm>.txt``): GPU busy time
 against step time, and how long the host takes to issue a step.
@@ -98,6 +101,12 @@ def worker(args):
     import torch.distributed as dist
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if args.pin:  # each rank on its own cores: a host-bound step then moves less with the scheduler
+        cores = sorted(os.sched_getaffinity(0))[local * args.pin : (local + 1) * args.pin]
+        if len(cores) < args.pin:
+            raise SystemExit(f"--pin {args.pin}: rank {local} finds {len(cores)} of the cores it may use left")
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(args.pin)  # no more intra-op threads than the rank's cores
     if torch.cuda.is_available():
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -110,8 +119,11 @@ def worker(args):
     results = []
     for run in range(args.runs):
         for arm in args.arms:
-            times, peak, summary = _run(arm, args, device, rank, sync)
-            results.append(dict(run=run, arm=arm, times=times, peak_gib=peak, profile=summary, graphs=_graphs()))
+            times, issues, peak, summary = _run(arm, args, device, rank, sync)
+            results.append(
+                dict(run=run, arm=arm, times=times, issues=issues, peak_gib=peak, profile=summary, graphs=_graphs(),
+                     cores=len(os.sched_getaffinity(0)))
+            )  # fmt: skip
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
@@ -154,21 +166,23 @@ def _run(arm, args, device, rank, sync):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, issues = [], []
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
         step()
+        issued = time.perf_counter()
         sync(device)
         if i >= args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+            issues.append((issued - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     summary = _profile(step, device, sync) if args.profile else None
     model = opt = step = None  # drop the arm before collecting
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times, peak, summary
+    return times, issues, peak, summary
 
 
 def _profile(step, device, sync):
@@ -208,6 +222,7 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
     sizes = dict(runs=runs, tokens=tokens, steps=args.steps, warmup=args.warmup, dim=args.dim)
     sizes.update(layers=args.layers, heads=args.heads, seq=args.seq)
     flags = dict(profile=profile, compile=args.compile, cpp_wrapper=args.cpp_wrapper)
+    sizes.update(pin=args.pin)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     cmd += ["-m", "bench.weak_scaling", "--worker", "--arms", *arms, "--result", result]
     cmd += [arg for name, value in sizes.items() for arg in (f"--{name}", str(value))]
@@ -237,13 +252,16 @@ def driver(args):
                         step_ms=ms,
                         step_ms_min=min(r["times"]),
                         step_ms_max=max(r["times"]),
+                        host_issue_ms=statistics.median(r["issues"]),
+                        host_cores=r["cores"],
                         peak_gib=r["peak_gib"],
                         graphs=r.get("graphs", 0),
                     )
                 )
                 print(
                     f"  run {r['run']} tokens/GPU {tokens:6d} {r['arm']:>9} {gpus} GPU(s): {ms:8.2f} ms "
-                    f"({min(r['times']):.2f}-{max(r['times']):.2f}), peak {r['peak_gib']:.2f} GiB, "
+                    f"({min(r['times']):.2f}-{max(r['times']):.2f}), "
+                    f"host issue {statistics.median(r['issues']):.2f} ms, peak {r['peak_gib']:.2f} GiB, "
                     f"{r.get('graphs', 0)} graphs compiled",
                     flush=True,
                 )
@@ -301,6 +319,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compile", action="store_true", help="compile each layer before sharding it")
     p.add_argument("--cpp-wrapper", action="store_true", help="with --compile: Inductor's cpp_wrapper")
+    p.add_argument("--pin", type=int, default=0, help="pin rank r to the r-th PIN of the usable cores (0: none)")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -309,6 +328,8 @@ def main(argv=None):
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.pin < 0:
+        p.error("--pin takes a core count >= 0")
     if any(t % args.seq for t in args.tokens):
         p.error(f"--tokens must be multiples of --seq ({args.seq})")
     if args.worker:
