@@ -102,6 +102,8 @@ def worker(args):
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if args.pin:  # each rank on its own cores: a host-bound step then moves less with the scheduler
+        if not hasattr(os, "sched_setaffinity"):
+            raise SystemExit("--pin needs os.sched_setaffinity (Linux)")
         cores = sorted(os.sched_getaffinity(0))[local * args.pin : (local + 1) * args.pin]
         if len(cores) < args.pin:
             raise SystemExit(f"--pin {args.pin}: rank {local} finds {len(cores)} of the cores it may use left")
@@ -122,12 +124,17 @@ def worker(args):
             times, issues, peak, summary = _run(arm, args, device, rank, sync)
             results.append(
                 dict(run=run, arm=arm, times=times, issues=issues, peak_gib=peak, profile=summary, graphs=_graphs(),
-                     cores=len(os.sched_getaffinity(0)))
+                     cores=_usable_cores())
             )  # fmt: skip
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def _usable_cores() -> int:
+    """How many cores this process may run on (all of the machine's where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _graphs() -> int:
@@ -220,9 +227,8 @@ def launch(arms, runs, gpus, tokens, args, profile=False):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     sizes = dict(runs=runs, tokens=tokens, steps=args.steps, warmup=args.warmup, dim=args.dim)
-    sizes.update(layers=args.layers, heads=args.heads, seq=args.seq)
+    sizes.update(layers=args.layers, heads=args.heads, seq=args.seq, pin=args.pin)
     flags = dict(profile=profile, compile=args.compile, cpp_wrapper=args.cpp_wrapper)
-    sizes.update(pin=args.pin)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     cmd += ["-m", "bench.weak_scaling", "--worker", "--arms", *arms, "--result", result]
     cmd += [arg for name, value in sizes.items() for arg in (f"--{name}", str(value))]
