@@ -171,6 +171,42 @@ def test_mixing_loops_write_every_output(unwritten_is_nan):
     assert all(g.isfinite().all() for g in cpu.pre_mix_backward(x, h_post, grad[:, 0].contiguous()))
 
 
+@pytest.fixture
+def threads():
+    """Sets PyTorch's intra-op thread count (the loops share its OpenMP team) for the test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_loops
+def test_loops_over_several_threads_match_one_thread_bit_for_bit(threads):
+    """Above their size thresholds the loops split the tokens over the threads: every token's
+    values must not depend on how many there are, and must still match the formulas."""
+    logits, grad_logits = randn(16 * 9 + 5, 4, 4, seed=0, scale=3.0), randn(16 * 9 + 5, 4, 4, seed=1)
+    x, h_res, y, h_post = (t.detach() for t in mixing_inputs((301,), 4, 64, 2))
+    grad, grad_in = randn(301, 4, 64, seed=3), randn(301, 64, seed=4)
+    calls = {
+        "sinkhorn": lambda: (cpu.sinkhorn_forward(logits, 20, 0.0), cpu.sinkhorn_backward(logits, grad_logits, 20, 0)),
+        "sinkhorn_eps": lambda: (cpu.sinkhorn_backward(logits, grad_logits, 7, 1e-3),),
+        "post_mix": lambda: (
+            cpu.post_mix_forward(x, h_res, y, h_post),
+            *cpu.post_mix_backward(x, h_res, y, h_post, grad),
+        ),
+        "pre_mix": lambda: (cpu.pre_mix_forward(x, h_post), *cpu.pre_mix_backward(x, h_post, grad_in)),
+    }
+    threads(1)
+    one = {name: call() for name, call in calls.items()}
+    threads(3)
+    for name, call in calls.items():
+        for got, want in zip(call(), one[name]):
+            assert torch.equal(got, want), name
+    torch.testing.assert_close(one["post_mix"][0], post_mix_formula(x, h_res, y, h_post), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one["pre_mix"][0], pre_mix_formula(x, h_post), rtol=1e-5, atol=1e-5)
+    want = reference.sinkhorn_stable(logits.double(), 20)
+    torch.testing.assert_close(one["sinkhorn"][0].double(), want, rtol=0, atol=2e-5)
+
+
 def second_order(mix, inputs, grad):
     """Gradients w.r.t. the inputs and ``grad`` of a random direction through the first-order
     gradients of ``mix``, built with ``create_graph=True``."""
@@ -339,6 +375,28 @@ def test_without_a_working_compiler_the_layers_keep_pytorch_ops(compiler, reason
         assert cpu.path_name() == "PyTorch ops" and not cpu.runs_on(torch.zeros(2))
         x = randn(4, 3, 3, seed=0)
         torch.testing.assert_close(sinkhorn(x, 20), reference.sinkhorn_stable(x, 20), rtol=0, atol=1e-6)
+    finally:
+        monkeypatch.delenv("CC")
+        _build.library.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_loops(tmp_path, monkeypatch):
+    real = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if real is None or os.environ.get("MHC_CPU_KERNELS") == "0":
+        pytest.skip("no C compiler here, or the loops are turned off")
+    no_openmp = tmp_path / "cc-without-openmp"
+    no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    no_openmp.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_openmp))
+    monkeypatch.setenv("MHC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_flags", lambda: (*_build.FLAGS, "-fopenmp"))
+    _build.library.cache_clear()
+    try:
+        assert cpu.available(), cpu.build_error()
+        x = randn(70, 4, 4, seed=0)
+        torch.testing.assert_close(
+            cpu.sinkhorn_forward(x, 20, 0.0), reference.sinkhorn_stable(x, 20), rtol=0, atol=2e-5
+        )
     finally:
         monkeypatch.delenv("CC")
         _build.library.cache_clear()

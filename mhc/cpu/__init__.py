@@ -4,7 +4,9 @@ post-mix (forward and backward), in C (``kernels.c``, built at first use by :mod
 On a CPU the PyTorch reference runs a site as a few hundred small ops (Sinkhorn's twenty
 iterations alone are about 80 forward and 200 backward), each a dispatch and a pass over memory;
 each function here is one loop. They compute the reference's values within fp32 rounding (the
-Sinkhorn steps scale by reciprocal sums, as the GPU kernels do) and are deterministic.
+Sinkhorn steps scale by reciprocal sums, as the GPU kernels do) and are deterministic: where the
+build joins PyTorch's OpenMP team (:mod:`mhc.cpu._build`) they split the tokens over its threads,
+and every token's values are the same for any thread count.
 
 :func:`runs_on` says whether the layers take these loops for some tensors: plain fp32 CPU
 tensors outside ``torch.compile``, tracing and autocast, with the library built. Elsewhere the

@@ -26,17 +26,34 @@ __all__ = ["library", "build_error"]
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # no fast-math: NaN, inf and rounding behave as in PyTorch (and ISO C mode contracts no a * b + c
-# into an FMA); no -march=native: a cached build must run on every CPU that shares the cache
-FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
+# into an FMA); no trapping math: selects between floats become vector blends (values unchanged,
+# only the floating-point exception flags, which nothing reads, may differ); no -march=native: a
+# cached build must run on every CPU that shares the cache
+FLAGS = ("-O3", "-std=c99", "-fno-trapping-math", "-shared", "-fPIC")
 
 
 def _flags() -> tuple:
-    """:data:`FLAGS`, plus 8-wide vectors where PyTorch found AVX2 on this x86 CPU (the build's
-    name includes its flags)."""
+    """:data:`FLAGS`, plus 8-wide vectors where PyTorch found AVX2 on this x86 CPU, plus OpenMP
+    where PyTorch runs its own ops on the GNU OpenMP runtime (the build's name includes its
+    flags)."""
+    flags = FLAGS
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return (*FLAGS, "-mavx2")
-    return FLAGS
+        flags = (*flags, "-mavx2")
+    return (*flags, "-fopenmp") if _shares_torch_openmp() else flags
+
+
+def _shares_torch_openmp() -> bool:
+    """Whether a library built with ``-fopenmp`` joins PyTorch's thread team: PyTorch's CPU ops run
+    on OpenMP and the process has loaded GNU's runtime (``libgomp.so.1``, which the loader then
+    reuses for the library instead of loading a second runtime with its own threads)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith("/libgomp.so.1") for line in maps)
+    except OSError:  # not Linux
+        return False
 
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -78,6 +95,17 @@ def _compile(compiler: str, flags: tuple) -> Path:
     return target
 
 
+def _build(compiler: str, flags: tuple) -> Path:
+    """:func:`_compile`, again without OpenMP where the compiler cannot build it (no ``omp.h``):
+    the loops then run on one thread."""
+    try:
+        return _compile(compiler, flags)
+    except subprocess.CalledProcessError:
+        if "-fopenmp" not in flags:
+            raise
+        return _compile(compiler, tuple(f for f in flags if f != "-fopenmp"))
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library with its functions' signatures set, or ``None`` (turned off, or no
@@ -92,7 +120,7 @@ def library() -> ctypes.CDLL | None:
         _why_not["error"] = f"no C compiler found (tried {', '.join(names)})"
         return None
     try:
-        loaded = ctypes.CDLL(str(_compile(compiler, _flags())))
+        loaded = ctypes.CDLL(str(_build(compiler, _flags())))
     except subprocess.CalledProcessError as error:
         _why_not["error"] = f"{compiler} failed: {(error.stderr or '').strip()[:500]}"
         return None

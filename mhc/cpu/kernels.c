@@ -12,9 +12,20 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define BLOCK 16
 #define LANES 8
+/* work below these sizes runs on one thread: waking the team costs more than it saves */
+#define PARALLEL_BLOCKS 4
+#define PARALLEL_FLOATS 16384
 
 /* sum_k a[k] b[k] in LANES partial sums: independent lanes vectorise without reassociating */
 static float dot(const float *a, const float *b, int64_t d) {
@@ -26,6 +37,28 @@ static float dot(const float *a, const float *b, int64_t d) {
     for (int64_t l = 0; l < LANES; l++) total += acc[l];
     for (; k < d; k++) total += a[k] * b[k];
     return total;
+}
+
+/* exp(x) for x <= 0 or NaN (softmax arguments, x - max), in plain arithmetic so that loops over
+ * a block vectorise (expf is a library call): x = k ln 2 + r with |r| <= ln 2 / 2, a degree-6
+ * polynomial for exp(r) (Cephes' expf, within 2 ulp of expf), times 2^k built in the exponent
+ * bits. Below -87.33 (where exp is below FLT_MIN) it returns 0, and exp(-inf) = 0 exactly. */
+static inline float exp_nonpositive(float x) {
+    const float lowest = -87.33654f; /* ln(FLT_MIN) */
+    float clamped = x < lowest ? lowest : x; /* NaN stays NaN */
+    float k = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = (clamped - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23; /* 2^k, k in [-126, 0] */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < lowest ? 0.0f : p * scale;
 }
 
 /* entry (r, c) of token b in a block: m[(r * n + c) * BLOCK + b] */
@@ -64,7 +97,7 @@ static void softmax_along(const float *z, float *out, int64_t n, int columns) {
             const float *v = columns ? AT(z, j, i) : AT(z, i, j);
             float *w = columns ? AT(out, j, i) : AT(out, i, j);
             for (int64_t b = 0; b < BLOCK; b++) {
-                w[b] = expf(v[b] - top[b]);
+                w[b] = exp_nonpositive(v[b] - top[b]);
                 sum[b] += w[b];
             }
         }
@@ -85,7 +118,7 @@ static void first_iteration(const float *logits, float *m, int64_t n) {
             for (int64_t b = 0; b < BLOCK; b++) top[b] = max_nan(top[b], AT(logits, r, c)[b]);
         for (int64_t b = 0; b < BLOCK; b++) lse[b] = 0.0f;
         for (int64_t r = 0; r < n; r++)
-            for (int64_t b = 0; b < BLOCK; b++) lse[b] += expf(AT(logits, r, c)[b] - top[b]);
+            for (int64_t b = 0; b < BLOCK; b++) lse[b] += exp_nonpositive(AT(logits, r, c)[b] - top[b]);
         for (int64_t b = 0; b < BLOCK; b++) lse[b] = isinf(top[b]) ? top[b] : top[b] + logf(lse[b]);
         for (int64_t r = 0; r < n; r++)
             for (int64_t b = 0; b < BLOCK; b++) AT(m, r, c)[b] = AT(logits, r, c)[b] - lse[b];
@@ -175,64 +208,84 @@ static int64_t block_floats(int64_t n, int64_t iters) {
     return (2 * iters - 1) * n * n * BLOCK + (2 * iters - 1) * n * BLOCK + 4 * n * n * BLOCK;
 }
 
-int mhc_sinkhorn_forward(const float *logits, float *out, int64_t tokens, int64_t n, int64_t iters, float eps) {
-    float *work = malloc(sizeof(float) * block_floats(n, iters));
-    if (!work) return 1;
-    int64_t size = n * n * BLOCK;
-    float *states = work, *inverses = states + (2 * iters - 1) * size;
-    float *p = inverses + (2 * iters - 1) * n * BLOCK, *shifted = p + size, *block = shifted + size;
-    for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
-        int64_t count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
-        load_block(block, logits, t0, count, n);
-        sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
-        store_block(out, states + (2 * iters - 2) * size, t0, count, n);
-    }
-    free(work);
-    return 0;
-}
+/* The threads that share `blocks` blocks of work: as many as OpenMP offers (the team PyTorch's
+ * CPU ops use, so torch.set_num_threads applies), one for small inputs. */
+static int threads_for(int64_t blocks) { return blocks >= PARALLEL_BLOCKS ? omp_get_max_threads() : 1; }
 
-/* The gradient of mhc_sinkhorn_forward's output w.r.t. the logits (mhc.reference's
+/* One Sinkhorn block: the logits of tokens [t0, t0 + count) through every iterate, then the
+ * output (grad_out NULL) or the gradient w.r.t. the logits (mhc.reference's
  * sinkhorn_exact_backward, with the iterates recomputed instead of rebuilt). */
-int mhc_sinkhorn_backward(const float *logits, const float *grad_out, float *grad_logits, int64_t tokens, int64_t n,
-                          int64_t iters, float eps) {
-    float *work = malloc(sizeof(float) * block_floats(n, iters));
-    if (!work) return 1;
+static void sinkhorn_tokens(const float *logits, const float *grad_out, float *result, float *work, int64_t t0,
+                            int64_t count, int64_t n, int64_t iters, float eps) {
     int64_t size = n * n * BLOCK;
     float *states = work, *inverses = states + (2 * iters - 1) * size;
     float *p = inverses + (2 * iters - 1) * n * BLOCK, *shifted = p + size, *block = shifted + size;
     float *grad = block + size;
-    for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
-        int64_t count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
-        load_block(block, logits, t0, count, n);
-        load_block(grad, grad_out, t0, count, n);
-        sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
-        for (int64_t k = 2 * iters - 2; k >= 1; k--)
-            divide_step_backward(grad, states + k * size, inverses + k * n * BLOCK, n, k % 2);
-        if (eps > 0.0f) {
-            /* states[0] = (p + eps) / inverses[0] (row step), p the column softmax */
-            divide_step_backward(grad, states, inverses, n, 0);
-            softmax_backward_along(grad, p, n, 1);
-        } else {
-            /* states[0] = softmax over columns of z, z = logits - logsumexp over rows */
-            softmax_backward_along(grad, states, n, 0);
-            softmax_along(block, p, n, 1); /* d logsumexp / d logits */
-            for (int64_t c = 0; c < n; c++) {
-                float total[BLOCK];
-                for (int64_t b = 0; b < BLOCK; b++) total[b] = 0.0f;
-                for (int64_t r = 0; r < n; r++)
-                    for (int64_t b = 0; b < BLOCK; b++) total[b] += AT(grad, r, c)[b];
-                for (int64_t r = 0; r < n; r++)
-                    for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] -= AT(p, r, c)[b] * total[b];
-            }
+    load_block(block, logits, t0, count, n);
+    sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
+    if (!grad_out) {
+        store_block(result, states + (2 * iters - 2) * size, t0, count, n);
+        return;
+    }
+    load_block(grad, grad_out, t0, count, n);
+    for (int64_t k = 2 * iters - 2; k >= 1; k--)
+        divide_step_backward(grad, states + k * size, inverses + k * n * BLOCK, n, k % 2);
+    if (eps > 0.0f) {
+        /* states[0] = (p + eps) / inverses[0] (row step), p the column softmax */
+        divide_step_backward(grad, states, inverses, n, 0);
+        softmax_backward_along(grad, p, n, 1);
+    } else {
+        /* states[0] = softmax over columns of z, z = logits - logsumexp over rows */
+        softmax_backward_along(grad, states, n, 0);
+        softmax_along(block, p, n, 1); /* d logsumexp / d logits */
+        for (int64_t c = 0; c < n; c++) {
+            float total[BLOCK];
+            for (int64_t b = 0; b < BLOCK; b++) total[b] = 0.0f;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t b = 0; b < BLOCK; b++) total[b] += AT(grad, r, c)[b];
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] -= AT(p, r, c)[b] * total[b];
         }
-        store_block(grad_logits, grad, t0, count, n);
+    }
+    store_block(result, grad, t0, count, n);
+}
+
+/* Every block of tokens, split over the threads; each thread works in its own slice of one
+ * allocation. Tokens are independent, so the result does not depend on the thread count. */
+static int sinkhorn_all(const float *logits, const float *grad_out, float *result, int64_t tokens, int64_t n,
+                        int64_t iters, float eps) {
+    int64_t blocks = (tokens + BLOCK - 1) / BLOCK, per_thread = block_floats(n, iters);
+    int threads = threads_for(blocks);
+    float *work = malloc(sizeof(float) * per_thread * threads);
+    if (!work) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < blocks; i++) {
+        int64_t t0 = i * BLOCK, count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
+        sinkhorn_tokens(logits, grad_out, result, work + omp_get_thread_num() * per_thread, t0, count, n, iters, eps);
     }
     free(work);
     return 0;
 }
 
+int mhc_sinkhorn_forward(const float *logits, float *out, int64_t tokens, int64_t n, int64_t iters, float eps) {
+    return sinkhorn_all(logits, NULL, out, tokens, n, iters, eps);
+}
+
+/* The gradient of mhc_sinkhorn_forward's output w.r.t. the logits. */
+int mhc_sinkhorn_backward(const float *logits, const float *grad_out, float *grad_logits, int64_t tokens, int64_t n,
+                          int64_t iters, float eps) {
+    return sinkhorn_all(logits, grad_out, grad_logits, tokens, n, iters, eps);
+}
+
+/* The threads for a mix over `tokens` tokens of n streams of width d. */
+static int mix_threads(int64_t tokens, int64_t n, int64_t d) {
+    return tokens * n * d >= PARALLEL_FLOATS ? omp_get_max_threads() : 1;
+}
+
 /* pre-mix: out[t, k] = sum_s h[t, s] x[t, s, k]; x [T, n, d], h [T, n], out [T, d] */
-void mhc_pre_mix_forward(const float *x, const float *h, float *out, int64_t tokens, int64_t n, int64_t d) {
+void mhc_pre_mix_forward(const float *restrict x, const float *restrict h, float *restrict out, int64_t tokens,
+                         int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const float *xt = x + t * n * d, *ht = h + t * n;
         float *o = out + t * d;
@@ -243,8 +296,9 @@ void mhc_pre_mix_forward(const float *x, const float *h, float *out, int64_t tok
 }
 
 /* grad_x[t, s, k] = h[t, s] g[t, k]; grad_h[t, s] = sum_k g[t, k] x[t, s, k] */
-void mhc_pre_mix_backward(const float *x, const float *h, const float *g, float *grad_x, float *grad_h,
-                          int64_t tokens, int64_t n, int64_t d) {
+void mhc_pre_mix_backward(const float *restrict x, const float *restrict h, const float *restrict g,
+                          float *restrict grad_x, float *restrict grad_h, int64_t tokens, int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const float *xt = x + t * n * d, *ht = h + t * n, *gt = g + t * d;
         for (int64_t s = 0; s < n; s++) {
@@ -255,8 +309,9 @@ void mhc_pre_mix_backward(const float *x, const float *h, const float *g, float 
 }
 
 /* post-mix: out[t, i, k] = sum_j h_res[t, i, j] x[t, j, k] + h_post[t, i] y[t, k] */
-void mhc_post_mix_forward(const float *x, const float *h_res, const float *y, const float *h_post, float *out,
-                          int64_t tokens, int64_t n, int64_t d) {
+void mhc_post_mix_forward(const float *restrict x, const float *restrict h_res, const float *restrict y,
+                          const float *restrict h_post, float *restrict out, int64_t tokens, int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d;
         for (int64_t i = 0; i < n; i++) {
@@ -271,9 +326,11 @@ void mhc_post_mix_forward(const float *x, const float *h_res, const float *y, co
 
 /* grad_x[t, j] = sum_i h_res[t, i, j] g[t, i]; grad_h_res[t, i, j] = <g[t, i], x[t, j]>;
  * grad_y[t] = sum_i h_post[t, i] g[t, i]; grad_h_post[t, i] = <g[t, i], y[t]> */
-void mhc_post_mix_backward(const float *x, const float *h_res, const float *y, const float *h_post, const float *g,
-                           float *grad_x, float *grad_h_res, float *grad_y, float *grad_h_post, int64_t tokens,
-                           int64_t n, int64_t d) {
+void mhc_post_mix_backward(const float *restrict x, const float *restrict h_res, const float *restrict y,
+                           const float *restrict h_post, const float *restrict g, float *restrict grad_x,
+                           float *restrict grad_h_res, float *restrict grad_y, float *restrict grad_h_post,
+                           int64_t tokens, int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d, *gt = g + t * n * d;
         float *gx = grad_x + t * n * d, *gy = grad_y + t * d;
