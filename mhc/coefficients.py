@@ -30,6 +30,7 @@ from einops import rearrange
 
 from mhc import cpu
 from mhc.cpu import projection as cpu_projection
+from mhc.cpu import site_start as cpu_site_start
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
 from mhc.rebuild import function_args, function_outputs, note_conversion, reference_scope
@@ -104,6 +105,19 @@ class DynamicMHC:
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
 
+    def cpu_start(self, site, x: torch.Tensor, plan=None):
+        """``(x_in, h_post, h_res)``: :meth:`reference` and the pre-mix as one op on the CPU loops
+        (:mod:`mhc.cpu.site_start`), or ``None`` where it does not apply: tensors
+        :func:`mhc.cpu.runs_on` rejects, ``n`` above the loops' Sinkhorn, the implicit backward, and
+        streams that recompute mode rebuilds (``plan``) but that are not contiguous (the op's copy
+        of them would be kept)."""
+        if site.backward != "exact" or site.n_streams > cpu.MAX_SINKHORN_N:
+            return None
+        if not cpu.runs_on(x, *site.mixing_parameters()) or (plan is not None and not x.is_contiguous()):
+            return None
+        phi, alpha, bias = site.compute_parameters()
+        return cpu_site_start.site_start(x, phi, alpha, bias, site.sinkhorn_iters, site.rms_eps, site.hc_eps)
+
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
         (:class:`mhc.mixing_ops.MHCPreMixFunction`). The other sources return it either way."""
@@ -151,6 +165,10 @@ class DynamicHC:
         pre, post, res = self.logits(site, x, parameters)
         return b_pre + pre, b_post + post, b_res + res
 
+    def cpu_start(self, site, x: torch.Tensor, plan=None):
+        """``None``: these coefficients run as PyTorch ops on a CPU (:meth:`DynamicMHC.cpu_start`)."""
+        return None
+
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         T = math.prod(x.shape[:-2])
         with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
@@ -182,6 +200,10 @@ class Static:
         lead = x.shape[:-2]
         h_pre, h_post, h_res = self.coefficients(site)
         return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
+
+    def cpu_start(self, site, x: torch.Tensor, plan=None):
+        """``None``: these coefficients run as PyTorch ops on a CPU (:meth:`DynamicMHC.cpu_start`)."""
+        return None
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         # one set of coefficients, broadcast over tokens (token stride 0)

@@ -8,7 +8,7 @@ users build, and :mod:`mhc.integrations` adapt other models' modules to it.
 Two paths, chosen per call by :func:`layer_backend`:
 
 - the reference path (``"torch"``): coefficients from ``site.source.reference`` and the mixes as
-  ``einsum``; :class:`ReferenceFinish`;
+  ``einsum`` (on fp32 CPU tensors, ``site.source.cpu_start`` and the C loops); :class:`ReferenceFinish`;
 - the fused path (``"triton"``): ``site.source.fused_start`` (for dynamic mHC one kernel computes
   the coefficients and the pre-mix) and the post-mix kernel; :class:`FusedFinish`.
 
@@ -152,8 +152,11 @@ class Site:
                 schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
         with reference_scope(plan, x, reference_post_mix):
-            h_pre, h_post, h_res = self.source.reference(self, x)
-            x_in = reference_pre_mix(x, h_pre)
+            start = self.source.cpu_start(self, x, plan)
+            if start is None:
+                h_pre, h_post, h_res = self.source.reference(self, x)
+                start = reference_pre_mix(x, h_pre), h_post, h_res
+        x_in, h_post, h_res = start
         if schedule is not None and plan is None:
             schedule.begin(x, path)
         self._record(h_res)

@@ -14,6 +14,7 @@ from mhc import cpu, reference
 from mhc.cpu import _build
 from mhc.cpu import mixing as cpu_mixing
 from mhc.cpu import projection as cpu_projection
+from mhc.cpu import site_start as cpu_site_start
 from mhc.layer import sinkhorn
 from mhc.mixing import HyperConnection
 
@@ -195,6 +196,14 @@ def test_loops_over_several_threads_match_one_thread_bit_for_bit(threads):
         ),
         "pre_mix": lambda: (cpu.pre_mix_forward(x, h_post), *cpu.pre_mix_backward(x, h_post, grad_in)),
     }
+    start = start_inputs((301,), 4, 64, 5)
+    proj = start[0].view(301, -1) @ start[1]
+    calls["site_start"] = lambda: cpu.site_start_forward(start[0], proj, *start[2:], 20, 1e-6, 0.0)
+    site_grads = grad_in, randn(301, 4, seed=6), randn(301, 4, 4, seed=7)
+    inv_rms = calls["site_start"]()[-1]
+    calls["site_start_backward"] = lambda: cpu.site_start_backward(
+        start[0], proj, *start[2:], inv_rms, *site_grads, 20, 1e-6, 0.0
+    )
     threads(1)
     one = {name: call() for name, call in calls.items()}
     threads(3)
@@ -281,6 +290,192 @@ def test_launchers_refuse_layouts_the_loops_do_not_read(bad):
 def test_launchers_refuse_n_above_the_sinkhorn_limit():
     with pytest.raises(ValueError, match="n <= 16"):
         cpu.sinkhorn_forward(torch.zeros(2, 17, 17), 20, 0.0)
+
+
+# ---------------------------------------------------------------- a site's start
+
+
+class StartOf(torch.nn.Module):
+    """The package's reference for a site's start: ``DynamicMHC.reference`` and the pre-mix
+    formula, as PyTorch ops (fp64 inputs never take the loops)."""
+
+    def __init__(self, site):
+        super().__init__()
+        self.site = site
+
+    def forward(self, x):
+        h_pre, h_post, h_res = self.site.source.reference(self.site, x)
+        return pre_mix_formula(x, h_pre), h_post, h_res
+
+
+def start_oracle(x, phi, alpha, bias, iters, rms_eps, hc_eps):
+    n, d = x.shape[-2:]
+    site = HyperConnection(d, n, backend="torch", sinkhorn_iters=iters, rms_eps=rms_eps, hc_eps=hc_eps)
+    parameters = {"site.phi": phi, "site.alpha": alpha, "site.bias": bias}
+    return torch.func.functional_call(StartOf(site), parameters, (x,))
+
+
+def start_inputs(lead, n, d, seed, dtype=torch.float32):
+    m = 2 * n + n * n
+    return (
+        randn(*lead, n, d, seed=seed, dtype=dtype),
+        randn(n * d, m, seed=seed + 1, scale=0.3, dtype=dtype),
+        randn(3, seed=seed + 2, dtype=dtype),
+        randn(m, seed=seed + 3, dtype=dtype),
+    )
+
+
+def close_to_max(got, want, rtol):
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max().item() + 1e-6)
+
+
+@needs_loops
+@given(
+    lead=st.lists(st.integers(1, 7), min_size=0, max_size=2),  # no leading dim, and blocks of 16 with tails
+    n=st.integers(1, 6),
+    d=st.integers(1, 40),
+    iters=st.integers(1, 25),
+    hc_eps=st.sampled_from([0.0, 1e-3]),
+    given_grads=st.lists(st.booleans(), min_size=3, max_size=3).filter(any),
+    wanted=st.lists(st.booleans(), min_size=4, max_size=4).filter(any),
+    seed=st.integers(0, 2**16),
+)
+def test_site_start_matches_the_fp64_reference(lead, n, d, iters, hc_eps, given_grads, wanted, seed):
+    """Forward and the gradients of every input that wants one, for any subset of the outputs'
+    gradients (the others ``None``), against the reference path in fp64."""
+    inputs = [t.requires_grad_(w) for t, w in zip(start_inputs(lead, n, d, seed), wanted)]
+    doubles = [t.detach().double().requires_grad_(w) for t, w in zip(inputs, wanted)]
+    got = cpu_site_start.site_start(*inputs, iters, 1e-6, hc_eps)
+    want = start_oracle(*doubles, iters, 1e-6, hc_eps)
+    for g, w in zip(got, want):
+        close_to_max(g, w.detach(), 1e-5)
+    grads = [
+        randn(*w.shape, seed=seed + 10 + i) if given else None for i, (w, given) in enumerate(zip(want, given_grads))
+    ]
+    outputs = [(g, w, grad) for g, w, grad in zip(got, want, grads) if grad is not None]
+    got_grads = torch.autograd.grad(
+        [o[0] for o in outputs], [t for t in inputs if t.requires_grad], [o[2] for o in outputs], allow_unused=True
+    )
+    want_grads = torch.autograd.grad(
+        [o[1] for o in outputs],
+        [t for t in doubles if t.requires_grad],
+        [o[2].double() for o in outputs],
+        allow_unused=True,
+    )
+    for g, w in zip(got_grads, want_grads):
+        if w is None:  # an input no given gradient reaches
+            assert g is None or not g.any()
+        else:
+            close_to_max(g, w, 1e-4)
+
+
+@needs_loops
+def test_site_start_double_backward():
+    inputs = [t.requires_grad_() for t in start_inputs((5,), 3, 6, 1)]
+    doubles = [t.detach().double().requires_grad_() for t in inputs]
+    grads = [randn(5, 6, seed=2), randn(5, 3, seed=3), randn(5, 3, 3, seed=4)]
+
+    def second(start, ins, cast):
+        gs = [cast(g).requires_grad_() for g in grads]
+        first = torch.autograd.grad(start(*ins, 20, 1e-6, 0.0), ins, gs, create_graph=True)
+        total = sum((f * cast(randn(*f.shape, seed=20 + i))).sum() for i, f in enumerate(first))
+        return torch.autograd.grad(total, (*ins, *gs))
+
+    got = second(cpu_site_start.site_start, inputs, lambda t: t)
+    want = second(start_oracle, doubles, lambda t: t.double())
+    for g, w in zip(got, want):
+        close_to_max(g, w, 1e-4)
+
+
+@needs_loops
+def test_site_start_keeps_x_the_projection_and_three_values_per_token():
+    """No iterate, no streams-sized temporary: x itself (and its copy only where x is not
+    contiguous, such as the stride-0 view of expanded streams), the parameters, the projection,
+    ``1 / RMS`` and ``h_pre``."""
+    T, n, d = 20, 4, 8
+    m = 2 * n + n * n
+    x, phi, alpha, bias = (t.requires_grad_() for t in start_inputs((T,), n, d, 0))
+    h = randn(T, d, seed=5).requires_grad_()
+    parameters = phi.numel() + alpha.numel() + bias.numel()
+    for streams, copies in ((x, 0), (h.unsqueeze(-2).expand(T, n, d), 1)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = cpu_site_start.site_start(streams, phi, alpha, bias, 20, 1e-6, 0.0)
+        assert sum(saved) == streams.numel() + copies * T * n * d + parameters + T * m + T + T * n
+        grad = torch.autograd.grad(out[0], streams, randn(T, d, seed=6))[0]
+        want = torch.autograd.grad(
+            start_oracle(streams, phi, alpha, bias, 20, 1e-6, 0.0)[0], streams, randn(T, d, seed=6)
+        )[0]
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_loops
+def test_site_start_takes_the_formulas_for_a_subclass_gradient():
+    inputs = [t.requires_grad_() for t in start_inputs((6,), 4, 5, 3)]
+    grads = [randn(6, 5, seed=7), randn(6, 4, seed=8), randn(6, 4, 4, seed=9)]
+    want = torch.autograd.grad(cpu_site_start.site_start(*inputs, 20, 1e-6, 0.0), inputs, grads)
+    marked = [g.as_subclass(Marked) for g in grads]
+    got = torch.autograd.grad(cpu_site_start.site_start(*inputs, 20, 1e-6, 0.0), inputs, marked)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.as_subclass(torch.Tensor), w, rtol=1e-4, atol=1e-6)
+
+
+@needs_loops
+def test_site_start_loops_write_every_output(unwritten_is_nan):
+    x, phi, alpha, bias = start_inputs((37,), 3, 5, 0)
+    proj = x.view(37, 15) @ phi
+    outputs = cpu.site_start_forward(x, proj, alpha, bias, 20, 1e-6, 0.0)
+    assert all(o.isfinite().all() for o in outputs)
+    grads = randn(37, 5, seed=1), randn(37, 3, seed=2), randn(37, 3, 3, seed=3)
+    per_token = cpu.site_start_backward(x, proj, alpha, bias, outputs[-1], *grads, 20, 1e-6, 0.0)
+    assert all(g.isfinite().all() for g in per_token)
+    grad_x = cpu.site_start_grad_x(torch.zeros(37, 3, 5), x, outputs[1], grads[0], per_token[-1])
+    assert grad_x.isfinite().all()
+
+
+@needs_loops
+def test_site_start_launchers_refuse_what_the_loops_do_not_read():
+    x, phi, alpha, bias = start_inputs((4,), 3, 5, 0)
+    proj = x.view(4, 15) @ phi
+    with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+        cpu.site_start_forward(x.transpose(1, 2).contiguous().transpose(1, 2), proj, alpha, bias, 20, 1e-6, 0.0)
+    with pytest.raises(ValueError, match=r"proj.*shape \(4, 15\)"):
+        cpu.site_start_forward(x, proj[:, :-1].contiguous(), alpha, bias, 20, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="must hold the 4 tokens"):
+        cpu.site_start_forward(x, proj, alpha, bias, 20, 1e-6, 0.0, lead=(3,))
+    with pytest.raises(ValueError, match="n <= 16"):
+        big = start_inputs((2,), 17, 1, 0)
+        cpu.site_start_forward(big[0], big[0].view(2, 17) @ big[1], *big[2:], 20, 1e-6, 0.0)
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    "settings, takes_it",
+    [
+        (dict(), True),
+        (dict(hc_eps=1e-3), True),
+        (dict(backward="implicit"), False),
+        (dict(n=17), False),
+        (dict(dtype=torch.float64), False),
+        (dict(constraint="none"), False),
+        (dict(static=True), False),
+    ],
+    ids=["default", "hc_eps", "implicit", "n=17", "fp64", "HC", "static"],
+)
+def test_which_sites_start_on_the_loops(settings, takes_it, monkeypatch):
+    """Dynamic mHC sites on fp32 CPU tensors with the exact backward and n <= 16 take the op;
+    the others keep the PyTorch ops, and both give the layer's values."""
+    calls = []
+    start = cpu_site_start.site_start
+    monkeypatch.setattr(cpu_site_start, "site_start", lambda *a: calls.append(1) or start(*a))
+    n, dtype = settings.pop("n", 4), settings.pop("dtype", torch.float32)
+    static = settings.pop("static", False)
+    site = HyperConnection(8, n, branch=torch.nn.Linear(8, 8), backend="torch", dynamic=not static, **settings)
+    site = site.to(dtype)
+    x = randn(3, n, 8, seed=0, dtype=dtype).requires_grad_()
+    out = site(x)
+    out.backward(randn(3, n, 8, seed=1, dtype=dtype))
+    assert bool(calls) == takes_it
 
 
 # ---------------------------------------------------------------- projection

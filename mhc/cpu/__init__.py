@@ -1,5 +1,7 @@
-"""The CPU path's loops: Sinkhorn-Knopp (forward and exact backward) and a site's pre-mix and
-post-mix (forward and backward), in C (``kernels.c``, built at first use by :mod:`mhc.cpu._build`).
+"""The CPU path's loops: Sinkhorn-Knopp (forward and exact backward), a site's pre-mix and
+post-mix (forward and backward), and a dynamic mHC site's start (coefficients from the projection,
+Sinkhorn and the pre-mix, forward and backward), in C (``kernels.c``, built at first use by
+:mod:`mhc.cpu._build`).
 
 On a CPU the PyTorch reference runs a site as a few hundred small ops (Sinkhorn's twenty
 iterations alone are about 80 forward and 200 backward), each a dispatch and a pass over memory;
@@ -16,11 +18,13 @@ them whole, so a checkpointed model's values do not depend on its policy.
 
 Launchers take contiguous fp32 CPU tensors of the shapes their docstrings give (checked) and
 return new tensors. :mod:`mhc.cpu.mixing` wraps the mixes as autograd ops over streams
-``[..., n, d]``; :mod:`mhc.cpu.projection` is the coefficients' RMS projection as one autograd op
-(PyTorch ops, no loop).
+``[..., n, d]``; :mod:`mhc.cpu.site_start` a site's start; :mod:`mhc.cpu.projection` is the
+coefficients' RMS projection as one autograd op (PyTorch ops, no loop) for the other coefficients.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -39,6 +43,9 @@ __all__ = [
     "pre_mix_backward",
     "post_mix_forward",
     "post_mix_backward",
+    "site_start_forward",
+    "site_start_backward",
+    "site_start_grad_x",
 ]
 
 MAX_SINKHORN_N = 16  # a block of 16 tokens keeps every iterate in cache: 2 * iters * n * n floats each
@@ -83,6 +90,7 @@ def _check(t: torch.Tensor, name: str, shape: tuple) -> None:
 
 
 def _call(function, *args) -> None:
+    """``function`` on the tensors' addresses (``None``: a null pointer, a zero gradient)."""
     if function(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)):
         raise MemoryError("mhc's CPU Sinkhorn could not allocate its working memory")
 
@@ -159,3 +167,103 @@ def post_mix_backward(x, h_res, y, h_post, grad):
     grads = torch.empty_like(x), torch.empty_like(h_res), torch.empty_like(y), torch.empty_like(h_post)
     _call(library().mhc_post_mix_backward, x, h_res, y, h_post, grad, *grads, T, n, d)
     return grads
+
+
+def _check_site_start(x, proj, alpha, bias) -> tuple:
+    T, n, d = x.shape
+    if n > MAX_SINKHORN_N:
+        raise ValueError(f"the CPU site start takes n <= {MAX_SINKHORN_N}, got {n}")
+    M = 2 * n + n * n
+    _check(x, "x", (T, n, d))
+    _check(proj, "proj", (T, M))
+    _check(alpha, "alpha", (3,))
+    _check(bias, "bias", (M,))
+    return T, n, d
+
+
+def site_start_forward(x, proj, alpha, bias, iters: int, rms_eps: float, hc_eps: float, lead: tuple | None = None):
+    """A dynamic mHC site's coefficients and pre-mix from the projection ``proj = x.flatten(-2) @ phi``.
+
+    ``x [T, n, d]``, ``proj [T, 2n + n*n]``, ``alpha [3]``, ``bias [2n + n*n]`` ->
+    ``(x_in [T, d], h_pre [T, n], h_post [T, n], h_res [T, n, n], inv_rms [T])``:
+    :meth:`mhc.coefficients.DynamicMHC.reference` and the pre-mix, with ``inv_rms`` the
+    ``1 / RMS`` of each flattened token, which the backward takes. ``lead``: the leading dims of
+    ``x_in``, ``h_post`` and ``h_res`` in place of ``T`` (their product ``T``), so that they are
+    no views."""
+    T, n, d = _check_site_start(x, proj, alpha, bias)
+    lead = (T,) if lead is None else tuple(lead)
+    if math.prod(lead) != T:
+        raise ValueError(f"lead {lead} must hold the {T} tokens of x")
+    x_in, h_post, h_res = x.new_empty(*lead, d), x.new_empty(*lead, n), x.new_empty(*lead, n, n)
+    h_pre, inv_rms = x.new_empty(T, n), x.new_empty(T)
+    _call(
+        library().mhc_site_start_forward,
+        x,
+        proj,
+        alpha,
+        bias,
+        x_in,
+        h_pre,
+        h_post,
+        h_res,
+        inv_rms,
+        T,
+        n,
+        d,
+        iters,
+        rms_eps,
+        hc_eps,
+    )
+    return x_in, h_pre, h_post, h_res, inv_rms
+
+
+def site_start_backward(x, proj, alpha, bias, inv_rms, grad_x_in, grad_h_post, grad_h_res, iters, rms_eps, hc_eps):
+    """The backward of :func:`site_start_forward` up to the matmuls, given ``grad_x_in [T, d]``,
+    ``grad_h_post [T, n]`` and ``grad_h_res [T, n, n]`` (each ``None`` for a zero gradient) ->
+    per token ``(grad_bias [T, M], grad_gates [T, 3], grad_proj [T, M], rms_coef [T])``: the
+    gradients of the bias, the gates and ``proj``, and the factor of ``x`` in the norm's gradient.
+    Summed over tokens, the first two are the bias's and ``alpha``'s gradients."""
+    T, n, d = _check_site_start(x, proj, alpha, bias)
+    _check(inv_rms, "inv_rms", (T,))
+    for grad, name, shape in (
+        (grad_x_in, "grad_x_in", (T, d)),
+        (grad_h_post, "grad_h_post", (T, n)),
+        (grad_h_res, "grad_h_res", (T, n, n)),
+    ):
+        if grad is not None:
+            _check(grad, name, shape)
+    M = proj.shape[1]
+    outputs = tuple(x.new_empty(s) for s in ((T, M), (T, 3), (T, M), (T,)))
+    _call(
+        library().mhc_site_start_backward,
+        x,
+        proj,
+        alpha,
+        bias,
+        inv_rms,
+        grad_x_in,
+        grad_h_post,
+        grad_h_res,
+        *outputs,
+        T,
+        n,
+        d,
+        iters,
+        rms_eps,
+        hc_eps,
+    )
+    return outputs  # grad_bias, grad_gates, grad_proj, rms_coef
+
+
+def site_start_grad_x(grad_x, x, h_pre, grad_x_in, rms_coef) -> torch.Tensor:
+    """``grad_x [T, n, d]`` (``grad_proj @ phi^T`` viewed as streams) ``+= rms_coef[t] x[t] +
+    h_pre[t, s] grad_x_in[t]``, in place (``grad_x_in`` ``None``: zero); returns ``grad_x``."""
+    T, n, d = x.shape
+    _check(grad_x, "grad_x", (T, n, d))
+    _check(x, "x", (T, n, d))
+    _check(h_pre, "h_pre", (T, n))
+    _check(rms_coef, "rms_coef", (T,))
+    if grad_x_in is not None:
+        _check(grad_x_in, "grad_x_in", (T, d))
+    _call(library().mhc_site_start_grad_x, grad_x, x, h_pre, grad_x_in, rms_coef, T, n, d)
+    return grad_x

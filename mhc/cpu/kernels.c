@@ -204,77 +204,121 @@ static void sinkhorn_block(const float *logits, float *states, float *inverses, 
 }
 
 static int64_t block_floats(int64_t n, int64_t iters) {
-    /* states, inverses, p, p + eps, logits, grad */
-    return (2 * iters - 1) * n * n * BLOCK + (2 * iters - 1) * n * BLOCK + 4 * n * n * BLOCK;
+    /* states, inverses, p, p + eps, logits, grad; a site's coefficients and their gradients */
+    return (2 * iters - 1) * n * n * BLOCK + (2 * iters - 1) * n * BLOCK + 4 * n * n * BLOCK +
+           2 * (2 * n + n * n) * BLOCK;
 }
 
 /* The threads that share `blocks` blocks of work: as many as OpenMP offers (the team PyTorch's
  * CPU ops use, so torch.set_num_threads applies), one for small inputs. */
 static int threads_for(int64_t blocks) { return blocks >= PARALLEL_BLOCKS ? omp_get_max_threads() : 1; }
 
-/* One Sinkhorn block: the logits of tokens [t0, t0 + count) through every iterate, then the
- * output (grad_out NULL) or the gradient w.r.t. the logits (mhc.reference's
- * sinkhorn_exact_backward, with the iterates recomputed instead of rebuilt). */
-static void sinkhorn_tokens(const float *logits, const float *grad_out, float *result, float *work, int64_t t0,
-                            int64_t count, int64_t n, int64_t iters, float eps) {
+/* One thread's working memory for a block (block_floats(n, iters) floats), all in block layout:
+ * Sinkhorn's logits and gradient and what sinkhorn_block keeps; a site's 2n + n n coefficients
+ * per token and their gradients. */
+typedef struct {
+    float *states, *inverses, *p, *shifted, *logits, *grad, *coefficients, *coefficient_grads;
+} Work;
+
+static Work work_at(float *memory, int64_t n, int64_t iters) {
     int64_t size = n * n * BLOCK;
-    float *states = work, *inverses = states + (2 * iters - 1) * size;
-    float *p = inverses + (2 * iters - 1) * n * BLOCK, *shifted = p + size, *block = shifted + size;
-    float *grad = block + size;
-    load_block(block, logits, t0, count, n);
-    sinkhorn_block(block, states, inverses, p, shifted, n, iters, eps);
-    if (!grad_out) {
-        store_block(result, states + (2 * iters - 2) * size, t0, count, n);
-        return;
-    }
-    load_block(grad, grad_out, t0, count, n);
+    Work w;
+    w.states = memory;
+    w.inverses = w.states + (2 * iters - 1) * size;
+    w.p = w.inverses + (2 * iters - 1) * n * BLOCK;
+    w.shifted = w.p + size;
+    w.logits = w.shifted + size;
+    w.grad = w.logits + size;
+    w.coefficients = w.grad + size;
+    w.coefficient_grads = w.coefficients + (2 * n + n * n) * BLOCK;
+    return w;
+}
+
+static void sinkhorn_work(Work w, int64_t n, int64_t iters, float eps) {
+    sinkhorn_block(w.logits, w.states, w.inverses, w.p, w.shifted, n, iters, eps);
+}
+
+static const float *sinkhorn_result(Work w, int64_t n, int64_t iters) { return w.states + (2 * iters - 2) * n * n * BLOCK; }
+
+/* w.grad, the gradient w.r.t. the output of sinkhorn_work's w.logits, becomes the gradient
+ * w.r.t. the logits (mhc.reference's sinkhorn_exact_backward, the iterates recomputed instead of
+ * rebuilt); sinkhorn_work has run on w. */
+static void sinkhorn_work_backward(Work w, int64_t n, int64_t iters, float eps) {
+    int64_t size = n * n * BLOCK;
+    float *grad = w.grad;
     for (int64_t k = 2 * iters - 2; k >= 1; k--)
-        divide_step_backward(grad, states + k * size, inverses + k * n * BLOCK, n, k % 2);
+        divide_step_backward(grad, w.states + k * size, w.inverses + k * n * BLOCK, n, k % 2);
     if (eps > 0.0f) {
         /* states[0] = (p + eps) / inverses[0] (row step), p the column softmax */
-        divide_step_backward(grad, states, inverses, n, 0);
-        softmax_backward_along(grad, p, n, 1);
+        divide_step_backward(grad, w.states, w.inverses, n, 0);
+        softmax_backward_along(grad, w.p, n, 1);
     } else {
         /* states[0] = softmax over columns of z, z = logits - logsumexp over rows */
-        softmax_backward_along(grad, states, n, 0);
-        softmax_along(block, p, n, 1); /* d logsumexp / d logits */
+        softmax_backward_along(grad, w.states, n, 0);
+        softmax_along(w.logits, w.p, n, 1); /* d logsumexp / d logits */
         for (int64_t c = 0; c < n; c++) {
             float total[BLOCK];
             for (int64_t b = 0; b < BLOCK; b++) total[b] = 0.0f;
             for (int64_t r = 0; r < n; r++)
                 for (int64_t b = 0; b < BLOCK; b++) total[b] += AT(grad, r, c)[b];
             for (int64_t r = 0; r < n; r++)
-                for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] -= AT(p, r, c)[b] * total[b];
+                for (int64_t b = 0; b < BLOCK; b++) AT(grad, r, c)[b] -= AT(w.p, r, c)[b] * total[b];
         }
     }
-    store_block(result, grad, t0, count, n);
 }
 
-/* Every block of tokens, split over the threads; each thread works in its own slice of one
- * allocation. Tokens are independent, so the result does not depend on the thread count. */
-static int sinkhorn_all(const float *logits, const float *grad_out, float *result, int64_t tokens, int64_t n,
-                        int64_t iters, float eps) {
+typedef void (*BlockTask)(const void *args, Work w, int64_t t0, int64_t count);
+
+/* task(args, w, t0, count) for every block of BLOCK tokens, the blocks split over the threads;
+ * each thread works in its own slice of one allocation. Tokens are independent, so the result
+ * does not depend on the thread count. Returns 1 when the working memory cannot be allocated. */
+static int for_each_block(BlockTask task, const void *args, int64_t tokens, int64_t n, int64_t iters) {
     int64_t blocks = (tokens + BLOCK - 1) / BLOCK, per_thread = block_floats(n, iters);
     int threads = threads_for(blocks);
-    float *work = malloc(sizeof(float) * per_thread * threads);
-    if (!work) return 1;
+    float *memory = malloc(sizeof(float) * per_thread * threads);
+    if (!memory) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < blocks; i++) {
         int64_t t0 = i * BLOCK, count = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
-        sinkhorn_tokens(logits, grad_out, result, work + omp_get_thread_num() * per_thread, t0, count, n, iters, eps);
+        task(args, work_at(memory + omp_get_thread_num() * per_thread, n, iters), t0, count);
     }
-    free(work);
+    free(memory);
     return 0;
 }
 
+typedef struct {
+    const float *logits, *grad_out; /* grad_out NULL: the forward */
+    float *result;
+    int64_t n, iters;
+    float eps;
+} SinkhornArgs;
+
+/* Tokens [t0, t0 + count) of the logits through Sinkhorn: the output, or the gradient w.r.t.
+ * the logits. */
+static void sinkhorn_tokens(const void *task_args, Work w, int64_t t0, int64_t count) {
+    const SinkhornArgs *a = task_args;
+    int64_t n = a->n, iters = a->iters;
+    load_block(w.logits, a->logits, t0, count, n);
+    sinkhorn_work(w, n, iters, a->eps);
+    if (!a->grad_out) {
+        store_block(a->result, sinkhorn_result(w, n, iters), t0, count, n);
+        return;
+    }
+    load_block(w.grad, a->grad_out, t0, count, n);
+    sinkhorn_work_backward(w, n, iters, a->eps);
+    store_block(a->result, w.grad, t0, count, n);
+}
+
 int mhc_sinkhorn_forward(const float *logits, float *out, int64_t tokens, int64_t n, int64_t iters, float eps) {
-    return sinkhorn_all(logits, NULL, out, tokens, n, iters, eps);
+    SinkhornArgs args = {logits, NULL, out, n, iters, eps};
+    return for_each_block(sinkhorn_tokens, &args, tokens, n, iters);
 }
 
 /* The gradient of mhc_sinkhorn_forward's output w.r.t. the logits. */
 int mhc_sinkhorn_backward(const float *logits, const float *grad_out, float *grad_logits, int64_t tokens, int64_t n,
                           int64_t iters, float eps) {
-    return sinkhorn_all(logits, grad_out, grad_logits, tokens, n, iters, eps);
+    SinkhornArgs args = {logits, grad_out, grad_logits, n, iters, eps};
+    return for_each_block(sinkhorn_tokens, &args, tokens, n, iters);
 }
 
 /* The threads for a mix over `tokens` tokens of n streams of width d. */
@@ -345,6 +389,185 @@ void mhc_post_mix_backward(const float *restrict x, const float *restrict h_res,
         for (int64_t i = 0; i < n; i++) {
             grad_h_post[t * n + i] = dot(gt + i * d, yt, d);
             for (int64_t j = 0; j < n; j++) grad_h_res[(t * n + i) * n + j] = dot(gt + i * d, xt + j * d, d);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- a dynamic mHC site's start
+ *
+ * The coefficients from the projection and the pre-mix (mhc.coefficients.DynamicMHC.reference
+ * and the pre-mix). Per token t, with K = n d, M = 2n + n n, v = x[t] flattened and
+ * proj[t] = v @ phi (computed outside, by a matmul):
+ *   inv = 1 / sqrt(sum(v^2) / K + rms_eps), z = proj[t] * inv,
+ *   h_pre = sigmoid(b_pre + a_pre z_pre) + hc_eps, h_post = 2 sigmoid(b_post + a_post z_post),
+ *   h_res = Sinkhorn(b_res + a_res z_res), x_in = sum_s h_pre[s] x[t, s]. */
+
+/* sigmoid(x) from exp(-|x|), which keeps exp's argument <= 0; NaN stays NaN */
+static inline float sigmoid(float x) {
+    float e = exp_nonpositive(x > 0.0f ? -x : x);
+    return x > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+typedef struct {
+    const float *x, *proj, *alpha, *bias; /* x [T, n, d], proj [T, M], alpha [3], bias [M] */
+    const float *inv_rms;                 /* backward: [T], as the forward wrote it */
+    const float *grad_x_in, *grad_h_post, *grad_h_res; /* backward, each NULL for a zero gradient */
+    float *x_in, *h_pre, *h_post, *h_res, *inv_rms_out; /* forward */
+    float *grad_bias, *grad_gates, *grad_proj, *rms_coef; /* backward: [T, M], [T, 3], [T, M], [T] */
+    int64_t n, d, iters;
+    float rms_eps, hc_eps;
+} SiteStartArgs;
+
+/* Per token of the block: inv[b] = 1 / RMS(x[t]) (the forward computes it, the backward reads
+ * it), and z = proj * inv into w.coefficients ([M][BLOCK]); past the last token, zeros. */
+static void normalized_coefficients(const SiteStartArgs *a, Work w, int64_t t0, int64_t count, float *inv) {
+    int64_t n = a->n, K = n * a->d, M = 2 * n + n * n;
+    for (int64_t b = 0; b < BLOCK; b++) {
+        int64_t t = t0 + b;
+        if (b >= count)
+            inv[b] = 0.0f;
+        else if (a->inv_rms)
+            inv[b] = a->inv_rms[t];
+        else
+            inv[b] = a->inv_rms_out[t] = 1.0f / sqrtf(dot(a->x + t * K, a->x + t * K, K) / (float)K + a->rms_eps);
+        for (int64_t m = 0; m < M; m++) w.coefficients[m * BLOCK + b] = b < count ? a->proj[t * M + m] * inv[b] : 0.0f;
+    }
+}
+
+/* w.logits = b_res + a_res z_res, Sinkhorn's input */
+static void residual_logits(const SiteStartArgs *a, Work w) {
+    int64_t n = a->n;
+    for (int64_t k = 0; k < n * n; k++)
+        for (int64_t b = 0; b < BLOCK; b++)
+            w.logits[k * BLOCK + b] = a->bias[2 * n + k] + a->alpha[2] * w.coefficients[(2 * n + k) * BLOCK + b];
+}
+
+/* out[b] = scale * sigmoid(bias + gate z[b]) + shift over a block */
+static void sigmoid_block(const float *z, float bias, float gate, float scale, float shift, float *out) {
+    for (int64_t b = 0; b < BLOCK; b++) out[b] = scale * sigmoid(bias + gate * z[b]) + shift;
+}
+
+static void site_start_tokens(const void *task_args, Work w, int64_t t0, int64_t count) {
+    const SiteStartArgs *a = task_args;
+    int64_t n = a->n, d = a->d, K = n * d;
+    float inv[BLOCK], h[BLOCK];
+    normalized_coefficients(a, w, t0, count, inv);
+    for (int64_t s = 0; s < 2 * n; s++) { /* h_pre, then h_post */
+        int pre = s < n;
+        sigmoid_block(w.coefficients + s * BLOCK, a->bias[s], a->alpha[pre ? 0 : 1], pre ? 1.0f : 2.0f,
+                      pre ? a->hc_eps : 0.0f, h);
+        float *out = pre ? a->h_pre + s : a->h_post + (s - n);
+        for (int64_t b = 0; b < count; b++) out[(t0 + b) * n] = h[b];
+    }
+    residual_logits(a, w);
+    sinkhorn_work(w, n, a->iters, a->hc_eps);
+    store_block(a->h_res, sinkhorn_result(w, n, a->iters), t0, count, n);
+    for (int64_t t = t0; t < t0 + count; t++) {
+        const float *xt = a->x + t * K, *ht = a->h_pre + t * n;
+        float *o = a->x_in + t * d;
+        for (int64_t k = 0; k < d; k++) o[k] = ht[0] * xt[k];
+        for (int64_t s = 1; s < n; s++)
+            for (int64_t k = 0; k < d; k++) o[k] += ht[s] * xt[s * d + k];
+    }
+}
+
+/* x [T, n, d], proj [T, M], alpha [3], bias [M] -> x_in [T, d], h_pre [T, n], h_post [T, n],
+ * h_res [T, n, n] and inv_rms [T] (for the backward) */
+int mhc_site_start_forward(const float *x, const float *proj, const float *alpha, const float *bias, float *x_in,
+                           float *h_pre, float *h_post, float *h_res, float *inv_rms, int64_t tokens, int64_t n,
+                           int64_t d, int64_t iters, float rms_eps, float hc_eps) {
+    SiteStartArgs args = {0};
+    args.x = x, args.proj = proj, args.alpha = alpha, args.bias = bias;
+    args.x_in = x_in, args.h_pre = h_pre, args.h_post = h_post, args.h_res = h_res, args.inv_rms_out = inv_rms;
+    args.n = n, args.d = d, args.iters = iters, args.rms_eps = rms_eps, args.hc_eps = hc_eps;
+    return for_each_block(site_start_tokens, &args, tokens, n, iters);
+}
+
+static void site_start_backward_tokens(const void *task_args, Work w, int64_t t0, int64_t count) {
+    const SiteStartArgs *a = task_args;
+    int64_t n = a->n, d = a->d, nn = n * n, K = n * d, M = 2 * n + nn;
+    float inv[BLOCK], y[BLOCK], *z = w.coefficients, *dl = w.coefficient_grads;
+    normalized_coefficients(a, w, t0, count, inv);
+    /* the gradients w.r.t. h_pre (<grad_x_in, x[s]>) and h_post, in block layout */
+    for (int64_t b = 0; b < BLOCK; b++) {
+        int64_t t = t0 + b;
+        for (int64_t s = 0; s < n; s++) {
+            int real = b < count;
+            dl[s * BLOCK + b] = real && a->grad_x_in ? dot(a->grad_x_in + t * d, a->x + t * K + s * d, d) : 0.0f;
+            dl[(n + s) * BLOCK + b] = real && a->grad_h_post ? 2.0f * a->grad_h_post[t * n + s] : 0.0f;
+        }
+    }
+    /* through the sigmoids: h_pre = sigmoid(.) + hc_eps, h_post = 2 sigmoid(.) */
+    for (int64_t s = 0; s < 2 * n; s++) {
+        sigmoid_block(z + s * BLOCK, a->bias[s], a->alpha[s < n ? 0 : 1], 1.0f, 0.0f, y);
+        for (int64_t b = 0; b < BLOCK; b++) dl[s * BLOCK + b] *= (1.0f - y[b]) * y[b];
+    }
+    /* through Sinkhorn */
+    if (a->grad_h_res) {
+        residual_logits(a, w);
+        load_block(w.grad, a->grad_h_res, t0, count, n);
+        sinkhorn_work(w, n, a->iters, a->hc_eps);
+        sinkhorn_work_backward(w, n, a->iters, a->hc_eps);
+    }
+    for (int64_t k = 0; k < nn; k++)
+        for (int64_t b = 0; b < BLOCK; b++) dl[(2 * n + k) * BLOCK + b] = a->grad_h_res ? w.grad[k * BLOCK + b] : 0.0f;
+    /* per token: the gates' gradients, and <grad z, z> for the norm's */
+    float gates[3][BLOCK], inner[BLOCK];
+    for (int64_t b = 0; b < BLOCK; b++) gates[0][b] = gates[1][b] = gates[2][b] = inner[b] = 0.0f;
+    for (int64_t m = 0; m < M; m++) {
+        int gate = m < n ? 0 : m < 2 * n ? 1 : 2;
+        float alpha = a->alpha[gate];
+        for (int64_t b = 0; b < BLOCK; b++) {
+            float g = dl[m * BLOCK + b], gz = alpha * g;
+            gates[gate][b] += g * z[m * BLOCK + b];
+            inner[b] += gz * z[m * BLOCK + b];
+            z[m * BLOCK + b] = gz * inv[b]; /* now the gradient w.r.t. proj */
+        }
+    }
+    for (int64_t b = 0; b < count; b++) {
+        int64_t t = t0 + b;
+        for (int64_t m = 0; m < M; m++) {
+            a->grad_bias[t * M + m] = dl[m * BLOCK + b];
+            a->grad_proj[t * M + m] = z[m * BLOCK + b];
+        }
+        for (int64_t i = 0; i < 3; i++) a->grad_gates[t * 3 + i] = gates[i][b];
+        /* d inv / d v = -inv^3 v / K, and <grad z, proj> = <grad z, z> / inv */
+        a->rms_coef[t] = -inner[b] * (inv[b] * inv[b]) / (float)K;
+    }
+}
+
+/* The backward of mhc_site_start_forward, up to the matmuls: from grad_x_in [T, d],
+ * grad_h_post [T, n] and grad_h_res [T, n, n] (each NULL for a zero gradient), per token the
+ * gradients w.r.t. the biased logits (= the bias's, [T, M]), the gates' ([T, 3]), the
+ * projection's (proj, before the norm: [T, M]) and the factor of x in the norm's gradient
+ * (rms_coef [T]). mhc_site_start_grad_x assembles x's gradient after grad_proj @ phi^T. */
+int mhc_site_start_backward(const float *x, const float *proj, const float *alpha, const float *bias,
+                            const float *inv_rms, const float *grad_x_in, const float *grad_h_post,
+                            const float *grad_h_res, float *grad_bias, float *grad_gates, float *grad_proj,
+                            float *rms_coef, int64_t tokens, int64_t n, int64_t d, int64_t iters, float rms_eps,
+                            float hc_eps) {
+    SiteStartArgs args = {0};
+    args.x = x, args.proj = proj, args.alpha = alpha, args.bias = bias, args.inv_rms = inv_rms;
+    args.grad_x_in = grad_x_in, args.grad_h_post = grad_h_post, args.grad_h_res = grad_h_res;
+    args.grad_bias = grad_bias, args.grad_gates = grad_gates, args.grad_proj = grad_proj, args.rms_coef = rms_coef;
+    args.n = n, args.d = d, args.iters = iters, args.rms_eps = rms_eps, args.hc_eps = hc_eps;
+    return for_each_block(site_start_backward_tokens, &args, tokens, n, iters);
+}
+
+/* grad_x [T, n, d] (in: grad_proj @ phi^T) += rms_coef[t] x[t, s] + h_pre[t, s] grad_x_in[t]
+ * (grad_x_in NULL: zero) */
+void mhc_site_start_grad_x(float *restrict grad_x, const float *restrict x, const float *restrict h_pre,
+                           const float *restrict grad_x_in, const float *restrict rms_coef, int64_t tokens, int64_t n,
+                           int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *g = grad_x + t * n * d;
+        const float *xt = x + t * n * d, *gin = grad_x_in ? grad_x_in + t * d : NULL;
+        float c = rms_coef[t];
+        for (int64_t s = 0; s < n; s++) {
+            for (int64_t k = 0; k < d; k++) g[s * d + k] += c * xt[s * d + k];
+            if (gin)
+                for (int64_t k = 0; k < d; k++) g[s * d + k] += h_pre[t * n + s] * gin[k];
         }
     }
 }
