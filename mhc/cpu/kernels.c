@@ -234,8 +234,12 @@ static Work work_at(float *memory, int64_t n, int64_t iters) {
     return w;
 }
 
+/* n = 4 (the paper's) as a constant: the compiler unrolls the loops over rows and columns */
 static void sinkhorn_work(Work w, int64_t n, int64_t iters, float eps) {
-    sinkhorn_block(w.logits, w.states, w.inverses, w.p, w.shifted, n, iters, eps);
+    if (n == 4)
+        sinkhorn_block(w.logits, w.states, w.inverses, w.p, w.shifted, 4, iters, eps);
+    else
+        sinkhorn_block(w.logits, w.states, w.inverses, w.p, w.shifted, n, iters, eps);
 }
 
 static const float *sinkhorn_result(Work w, int64_t n, int64_t iters) { return w.states + (2 * iters - 2) * n * n * BLOCK; }
@@ -243,7 +247,15 @@ static const float *sinkhorn_result(Work w, int64_t n, int64_t iters) { return w
 /* w.grad, the gradient w.r.t. the output of sinkhorn_work's w.logits, becomes the gradient
  * w.r.t. the logits (mhc.reference's sinkhorn_exact_backward, the iterates recomputed instead of
  * rebuilt); sinkhorn_work has run on w. */
-static void sinkhorn_work_backward(Work w, int64_t n, int64_t iters, float eps) {
+static void sinkhorn_work_backward_n(Work w, int64_t n, int64_t iters, float eps);
+static void sinkhorn_work_backward(Work w, int64_t n, int64_t iters, float eps) { /* as sinkhorn_work */
+    if (n == 4)
+        sinkhorn_work_backward_n(w, 4, iters, eps);
+    else
+        sinkhorn_work_backward_n(w, n, iters, eps);
+}
+
+static void sinkhorn_work_backward_n(Work w, int64_t n, int64_t iters, float eps) {
     int64_t size = n * n * BLOCK;
     float *grad = w.grad;
     for (int64_t k = 2 * iters - 2; k >= 1; k--)
