@@ -338,71 +338,85 @@ static int mix_threads(int64_t tokens, int64_t n, int64_t d) {
     return tokens * n * d >= PARALLEL_FLOATS ? omp_get_max_threads() : 1;
 }
 
+/* The mixes below run one function per token (restrict pointers, so that its loops vectorise
+ * as they would outside the OpenMP region) over the tokens split between the threads. */
+
 /* pre-mix: out[t, k] = sum_s h[t, s] x[t, s, k]; x [T, n, d], h [T, n], out [T, d] */
-void mhc_pre_mix_forward(const float *restrict x, const float *restrict h, float *restrict out, int64_t tokens,
-                         int64_t n, int64_t d) {
+static void pre_mix_token(const float *restrict xt, const float *restrict ht, float *restrict o, int64_t n,
+                          int64_t d) {
+    for (int64_t k = 0; k < d; k++) o[k] = ht[0] * xt[k];
+    for (int64_t s = 1; s < n; s++)
+        for (int64_t k = 0; k < d; k++) o[k] += ht[s] * xt[s * d + k];
+}
+
+void mhc_pre_mix_forward(const float *x, const float *h, float *out, int64_t tokens, int64_t n, int64_t d) {
 #pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *xt = x + t * n * d, *ht = h + t * n;
-        float *o = out + t * d;
-        for (int64_t k = 0; k < d; k++) o[k] = ht[0] * xt[k];
-        for (int64_t s = 1; s < n; s++)
-            for (int64_t k = 0; k < d; k++) o[k] += ht[s] * xt[s * d + k];
-    }
+    for (int64_t t = 0; t < tokens; t++) pre_mix_token(x + t * n * d, h + t * n, out + t * d, n, d);
 }
 
 /* grad_x[t, s, k] = h[t, s] g[t, k]; grad_h[t, s] = sum_k g[t, k] x[t, s, k] */
-void mhc_pre_mix_backward(const float *restrict x, const float *restrict h, const float *restrict g,
-                          float *restrict grad_x, float *restrict grad_h, int64_t tokens, int64_t n, int64_t d) {
-#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *xt = x + t * n * d, *ht = h + t * n, *gt = g + t * d;
-        for (int64_t s = 0; s < n; s++) {
-            for (int64_t k = 0; k < d; k++) grad_x[(t * n + s) * d + k] = ht[s] * gt[k];
-            grad_h[t * n + s] = dot(gt, xt + s * d, d);
-        }
+static void pre_mix_backward_token(const float *restrict xt, const float *restrict ht, const float *restrict gt,
+                                   float *restrict gx, float *restrict gh, int64_t n, int64_t d) {
+    for (int64_t s = 0; s < n; s++) {
+        for (int64_t k = 0; k < d; k++) gx[s * d + k] = ht[s] * gt[k];
+        gh[s] = dot(gt, xt + s * d, d);
     }
 }
 
-/* post-mix: out[t, i, k] = sum_j h_res[t, i, j] x[t, j, k] + h_post[t, i] y[t, k] */
-void mhc_post_mix_forward(const float *restrict x, const float *restrict h_res, const float *restrict y,
-                          const float *restrict h_post, float *restrict out, int64_t tokens, int64_t n, int64_t d) {
+void mhc_pre_mix_backward(const float *x, const float *h, const float *g, float *grad_x, float *grad_h,
+                          int64_t tokens, int64_t n, int64_t d) {
 #pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d;
-        for (int64_t i = 0; i < n; i++) {
-            float *o = out + (t * n + i) * d;
-            for (int64_t k = 0; k < d; k++) o[k] = hr[i * n] * xt[k];
-            for (int64_t j = 1; j < n; j++)
-                for (int64_t k = 0; k < d; k++) o[k] += hr[i * n + j] * xt[j * d + k];
-            for (int64_t k = 0; k < d; k++) o[k] += h_post[t * n + i] * yt[k];
-        }
+    for (int64_t t = 0; t < tokens; t++)
+        pre_mix_backward_token(x + t * n * d, h + t * n, g + t * d, grad_x + t * n * d, grad_h + t * n, n, d);
+}
+
+/* post-mix: out[t, i, k] = sum_j h_res[t, i, j] x[t, j, k] + h_post[t, i] y[t, k] */
+static void post_mix_token(const float *restrict xt, const float *restrict hr, const float *restrict yt,
+                           const float *restrict hp, float *restrict out, int64_t n, int64_t d) {
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * d;
+        for (int64_t k = 0; k < d; k++) o[k] = hr[i * n] * xt[k];
+        for (int64_t j = 1; j < n; j++)
+            for (int64_t k = 0; k < d; k++) o[k] += hr[i * n + j] * xt[j * d + k];
+        for (int64_t k = 0; k < d; k++) o[k] += hp[i] * yt[k];
     }
+}
+
+void mhc_post_mix_forward(const float *x, const float *h_res, const float *y, const float *h_post, float *out,
+                          int64_t tokens, int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        post_mix_token(x + t * n * d, h_res + t * n * n, y + t * d, h_post + t * n, out + t * n * d, n, d);
 }
 
 /* grad_x[t, j] = sum_i h_res[t, i, j] g[t, i]; grad_h_res[t, i, j] = <g[t, i], x[t, j]>;
  * grad_y[t] = sum_i h_post[t, i] g[t, i]; grad_h_post[t, i] = <g[t, i], y[t]> */
-void mhc_post_mix_backward(const float *restrict x, const float *restrict h_res, const float *restrict y,
-                           const float *restrict h_post, const float *restrict g, float *restrict grad_x,
-                           float *restrict grad_h_res, float *restrict grad_y, float *restrict grad_h_post,
-                           int64_t tokens, int64_t n, int64_t d) {
-#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *xt = x + t * n * d, *hr = h_res + t * n * n, *yt = y + t * d, *gt = g + t * n * d;
-        float *gx = grad_x + t * n * d, *gy = grad_y + t * d;
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t k = 0; k < d; k++) gx[j * d + k] = hr[j] * gt[k];
-            for (int64_t i = 1; i < n; i++)
-                for (int64_t k = 0; k < d; k++) gx[j * d + k] += hr[i * n + j] * gt[i * d + k];
-        }
-        for (int64_t k = 0; k < d; k++) gy[k] = h_post[t * n] * gt[k];
+static void post_mix_backward_token(const float *restrict xt, const float *restrict hr, const float *restrict yt,
+                                    const float *restrict hp, const float *restrict gt, float *restrict gx,
+                                    float *restrict ghr, float *restrict gy, float *restrict ghp, int64_t n,
+                                    int64_t d) {
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t k = 0; k < d; k++) gx[j * d + k] = hr[j] * gt[k];
         for (int64_t i = 1; i < n; i++)
-            for (int64_t k = 0; k < d; k++) gy[k] += h_post[t * n + i] * gt[i * d + k];
-        for (int64_t i = 0; i < n; i++) {
-            grad_h_post[t * n + i] = dot(gt + i * d, yt, d);
-            for (int64_t j = 0; j < n; j++) grad_h_res[(t * n + i) * n + j] = dot(gt + i * d, xt + j * d, d);
-        }
+            for (int64_t k = 0; k < d; k++) gx[j * d + k] += hr[i * n + j] * gt[i * d + k];
     }
+    for (int64_t k = 0; k < d; k++) gy[k] = hp[0] * gt[k];
+    for (int64_t i = 1; i < n; i++)
+        for (int64_t k = 0; k < d; k++) gy[k] += hp[i] * gt[i * d + k];
+    for (int64_t i = 0; i < n; i++) {
+        ghp[i] = dot(gt + i * d, yt, d);
+        for (int64_t j = 0; j < n; j++) ghr[i * n + j] = dot(gt + i * d, xt + j * d, d);
+    }
+}
+
+void mhc_post_mix_backward(const float *x, const float *h_res, const float *y, const float *h_post, const float *g,
+                           float *grad_x, float *grad_h_res, float *grad_y, float *grad_h_post, int64_t tokens,
+                           int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        post_mix_backward_token(x + t * n * d, h_res + t * n * n, y + t * d, h_post + t * n, g + t * n * d,
+                                grad_x + t * n * d, grad_h_res + t * n * n, grad_y + t * d, grad_h_post + t * n, n,
+                                d);
 }
 
 /* ---------------------------------------------------------------- a dynamic mHC site's start
@@ -474,13 +488,7 @@ static void site_start_tokens(const void *task_args, Work w, int64_t t0, int64_t
     residual_logits(a, w);
     sinkhorn_work(w, n, a->iters, a->hc_eps);
     store_block(a->h_res, sinkhorn_result(w, n, a->iters), t0, count, n);
-    for (int64_t t = t0; t < t0 + count; t++) {
-        const float *xt = a->x + t * K, *ht = a->h_pre + t * n;
-        float *o = a->x_in + t * d;
-        for (int64_t k = 0; k < d; k++) o[k] = ht[0] * xt[k];
-        for (int64_t s = 1; s < n; s++)
-            for (int64_t k = 0; k < d; k++) o[k] += ht[s] * xt[s * d + k];
-    }
+    for (int64_t t = t0; t < t0 + count; t++) pre_mix_token(a->x + t * K, a->h_pre + t * n, a->x_in + t * d, n, d);
 }
 
 /* x [T, n, d], proj [T, M], alpha [3], bias [M] -> x_in [T, d], h_pre [T, n], h_post [T, n],
@@ -568,18 +576,19 @@ int mhc_site_start_backward(const float *x, const float *proj, const float *alph
 
 /* grad_x [T, n, d] (in: grad_proj @ phi^T) += rms_coef[t] x[t, s] + h_pre[t, s] grad_x_in[t]
  * (grad_x_in NULL: zero) */
-void mhc_site_start_grad_x(float *restrict grad_x, const float *restrict x, const float *restrict h_pre,
-                           const float *restrict grad_x_in, const float *restrict rms_coef, int64_t tokens, int64_t n,
-                           int64_t d) {
-#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        float *g = grad_x + t * n * d;
-        const float *xt = x + t * n * d, *gin = grad_x_in ? grad_x_in + t * d : NULL;
-        float c = rms_coef[t];
-        for (int64_t s = 0; s < n; s++) {
-            for (int64_t k = 0; k < d; k++) g[s * d + k] += c * xt[s * d + k];
-            if (gin)
-                for (int64_t k = 0; k < d; k++) g[s * d + k] += h_pre[t * n + s] * gin[k];
-        }
+static void site_start_grad_x_token(float *restrict g, const float *restrict xt, const float *restrict ht,
+                                    const float *restrict gin, float c, int64_t n, int64_t d) {
+    for (int64_t s = 0; s < n; s++) {
+        for (int64_t k = 0; k < d; k++) g[s * d + k] += c * xt[s * d + k];
+        if (gin)
+            for (int64_t k = 0; k < d; k++) g[s * d + k] += ht[s] * gin[k];
     }
+}
+
+void mhc_site_start_grad_x(float *grad_x, const float *x, const float *h_pre, const float *grad_x_in,
+                           const float *rms_coef, int64_t tokens, int64_t n, int64_t d) {
+#pragma omp parallel for num_threads(mix_threads(tokens, n, d)) schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        site_start_grad_x_token(grad_x + t * n * d, x + t * n * d, h_pre + t * n,
+                                grad_x_in ? grad_x_in + t * d : NULL, rms_coef[t], n, d);
 }
