@@ -595,3 +595,16 @@ def test_a_compiler_without_openmp_builds_single_threaded_loops(tmp_path, monkey
     finally:
         monkeypatch.delenv("CC")
         _build.library.cache_clear()
+
+
+@needs_loops
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_the_loops_share_pytorchs_openmp_runtime():
+    """Built with OpenMP, the library joins the runtime PyTorch loaded instead of loading a second
+    one (two runtimes would each keep their own threads)."""
+    cpu.sinkhorn_forward(torch.zeros(80, 4, 4), 2, 0.0)  # loaded, its threads started
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) <= 1, runtimes
+    if "-fopenmp" in _build._flags():
+        assert len(runtimes) == 1
