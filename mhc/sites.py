@@ -26,10 +26,10 @@ from einops import einsum
 
 from mhc import cpu
 from mhc._checks import MAX_STREAMS, check_local, check_same_device, check_streams_shape
-from mhc._compat import materialized
+from mhc._compat import functorch_active, materialized
 from mhc._local import local_parameters
 from mhc.cpu import mixing as cpu_mixing
-from mhc.layer import _kernels
+from mhc.layer import _kernels, check_no_functorch
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
 
@@ -38,12 +38,14 @@ __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
 def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
-    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise."""
+    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise (and under ``torch.func`` transforms,
+    which the fused autograd Functions cannot run under)."""
     if backend == "auto":
-        return "triton" if x.is_cuda and n <= MAX_STREAMS else "torch"
+        return "triton" if x.is_cuda and n <= MAX_STREAMS and not functorch_active() else "torch"
     if backend == "triton":
         if n > MAX_STREAMS:
             raise ValueError(f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'")
+        check_no_functorch("the fused path (backend='triton')")
         _kernels().check_device(x)
     return backend
 

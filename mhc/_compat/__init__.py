@@ -1,8 +1,9 @@
 """Every private PyTorch API the layers use, in one place, with the version checks and fallbacks
 (the kernel layer's private Triton and CUDA-stream APIs are :mod:`mhc.kernels._compat`).
 
-- :func:`dispatch_mode_active`, :func:`top_saved_tensor_hooks`, :func:`in_backward`: state of the
-  dispatcher and of autograd that PyTorch exposes only through ``torch._C``.
+- :func:`dispatch_mode_active`, :func:`functorch_active`, :func:`top_saved_tensor_hooks`,
+  :func:`in_backward`: state of the dispatcher and of autograd that PyTorch exposes only through
+  ``torch._C``.
 - :func:`after_backward`, :func:`backward_task`: the autograd engine's callback queue
   (``Variable._execution_engine``), which DDP and FSDP use to act once a backward has finished,
   and the id of the backward now running.
@@ -38,7 +39,8 @@ import os
 
 import torch
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "is_plain", "through_ops", "marked_must_save",
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "functorch_active", "is_plain", "through_ops",
+           "marked_must_save",
            "top_saved_tensor_hooks", "in_backward", "materialized", "after_backward", "backward_task",
            "unsharded_dtensor"]  # fmt: skip
 
@@ -52,6 +54,16 @@ def dispatch_mode_active() -> bool:
     mode sees, instead of launching them directly."""
     stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return stack is not None and stack() > 0
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running. The layers'
+    autograd Functions cannot run inside one (they define no ``setup_context`` or vmap rule), so
+    the layers then take their PyTorch ops. ``False`` while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return False
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return active is not None and active()
 
 
 def is_plain(x: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from mhc._compat import is_plain
+from mhc._compat import functorch_active, is_plain
 from mhc.cpu._build import build_error, library
 
 __all__ = [
@@ -65,14 +65,14 @@ def path_name() -> str:
 def runs_on(*tensors: torch.Tensor) -> bool:
     """Whether the layers run these loops for ``tensors``: all plain fp32 tensors on the CPU (a
     subclass such as ``DTensor`` or a fake tensor has no data of its own to read), not while
-    ``torch.compile`` or ``torch.jit.trace`` records the ops, not under CPU autocast (whose ops
-    run in lower precision), and the library available."""
+    ``torch.compile`` or ``torch.jit.trace`` records the ops or a ``torch.func`` transform runs,
+    not under CPU autocast (whose ops run in lower precision), and the library available."""
     for t in tensors:
         if not is_plain(t) or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.is_autocast_enabled("cpu"):
         return False
-    return available()
+    return not functorch_active() and available()
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple) -> None:
