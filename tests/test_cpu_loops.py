@@ -210,6 +210,9 @@ def test_loops_over_several_threads_match_one_thread_bit_for_bit(threads):
     for name, call in calls.items():
         for got, want in zip(call(), one[name]):
             assert torch.equal(got, want), name
+    few = logits[: 16 * 5]  # five blocks on more threads than blocks
+    threads(16)
+    assert torch.equal(cpu.sinkhorn_forward(few, 20, 0.0), one["sinkhorn"][0][: 16 * 5])
     torch.testing.assert_close(one["post_mix"][0], post_mix_formula(x, h_res, y, h_post), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one["pre_mix"][0], pre_mix_formula(x, h_post), rtol=1e-5, atol=1e-5)
     want = reference.sinkhorn_stable(logits.double(), 20)

@@ -210,8 +210,12 @@ static int64_t block_floats(int64_t n, int64_t iters) {
 }
 
 /* The threads that share `blocks` blocks of work: as many as OpenMP offers (the team PyTorch's
- * CPU ops use, so torch.set_num_threads applies), one for small inputs. */
-static int threads_for(int64_t blocks) { return blocks >= PARALLEL_BLOCKS ? omp_get_max_threads() : 1; }
+ * CPU ops use, so torch.set_num_threads applies) up to one per block, one for small inputs; each
+ * gets its own working memory. */
+static int threads_for(int64_t blocks) {
+    int64_t most = omp_get_max_threads();
+    return blocks < PARALLEL_BLOCKS ? 1 : (int)(blocks < most ? blocks : most);
+}
 
 /* One thread's working memory for a block (block_floats(n, iters) floats), all in block layout:
  * Sinkhorn's logits and gradient and what sinkhorn_block keeps; a site's 2n + n n coefficients
