@@ -1,7 +1,7 @@
 """A dynamic mHC site's start on the CPU loops, as one autograd op: coefficients and pre-mix.
 
-On the PyTorch path a site's start is about forty small ops (the projection, its norm, the gates,
-biases and sigmoids, Sinkhorn, the pre-mix) and as many backward nodes; on a CPU each is a
+On the PyTorch path a site's start is some thirty-five small ops (the projection, its norm, the
+gates, biases and sigmoids, Sinkhorn, the pre-mix) and twenty backward nodes; on a CPU each is a
 dispatch and a pass over memory. Here the projection and its two gradients are matmuls and the
 rest is one loop each way (``mhc_site_start_*`` in ``kernels.c``), so the op keeps ``x``, the
 projection and a few values per token, and moves the streams twice each way. Values agree with
