@@ -148,7 +148,7 @@ def differentiable_backward(saved: torch.Tensor, grad_out: torch.Tensor, iters: 
     if backward == "implicit":
         return reference.sinkhorn_implicit_backward(saved.to(compute), grad_out.to(compute)).to(saved.dtype)
     logits = saved.to(compute)
-    out = reference.sinkhorn_eps(logits, iters, eps) if eps > 0 else reference.sinkhorn_stable(logits, iters)
+    out = reference.sinkhorn_loop(logits, iters, eps)
     (grad,) = torch.autograd.grad(out, saved, grad_out.to(compute), create_graph=True)
     return grad
 
@@ -243,7 +243,7 @@ def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str, eps: float 
             check_no_functorch("the implicit backward (backward='implicit')")
             out = _TorchImplicit.apply(x, iters)
         elif torch.compiler.is_compiling() or functorch_active():  # autograd differentiates the loop itself
-            out = reference.sinkhorn_eps(x, iters, eps) if eps > 0 else reference.sinkhorn_stable(x, iters)
+            out = reference.sinkhorn_loop(x, iters, eps)
         else:
             out = _TorchExact.apply(x, iters, eps)
     return out.to(logits.dtype)

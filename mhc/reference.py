@@ -32,6 +32,7 @@ __all__ = [
     "sinkhorn_log",
     "sinkhorn_stable",
     "sinkhorn_eps",
+    "sinkhorn_loop",
     "sinkhorn_implicit_backward",
     "sinkhorn_divisors",
     "sinkhorn_exact_backward",
@@ -83,6 +84,12 @@ def sinkhorn_eps(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         m = m / (m.sum(dim=-2, keepdim=True) + eps)
         m = m / (m.sum(dim=-1, keepdim=True) + eps)
     return m
+
+
+def sinkhorn_loop(logits: torch.Tensor, iters: int, eps: float = 0.0) -> torch.Tensor:
+    """The layers' Sinkhorn as an unrolled loop of PyTorch ops, which autograd differentiates:
+    :func:`sinkhorn_eps` for ``eps > 0``, else :func:`sinkhorn_stable`."""
+    return sinkhorn_eps(logits, iters, eps) if eps > 0 else sinkhorn_stable(logits, iters)
 
 
 def sinkhorn_implicit_backward(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:

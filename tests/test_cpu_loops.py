@@ -202,7 +202,7 @@ def test_loops_over_several_threads_match_one_thread_bit_for_bit(threads):
     site_grads = grad_in, randn(301, 4, seed=6), randn(301, 4, 4, seed=7)
     inv_rms = calls["site_start"]()[-1]
     calls["site_start_backward"] = lambda: cpu.site_start_backward(
-        start[0], proj, *start[2:], inv_rms, *site_grads, 20, 1e-6, 0.0
+        start[0], proj, *start[2:], inv_rms, *site_grads, 20, 0.0
     )
     threads(1)
     one = {name: call() for name, call in calls.items()}
@@ -430,7 +430,7 @@ def test_site_start_loops_write_every_output(unwritten_is_nan):
     outputs = cpu.site_start_forward(x, proj, alpha, bias, 20, 1e-6, 0.0)
     assert all(o.isfinite().all() for o in outputs)
     grads = randn(37, 5, seed=1), randn(37, 3, seed=2), randn(37, 3, 3, seed=3)
-    per_token = cpu.site_start_backward(x, proj, alpha, bias, outputs[-1], *grads, 20, 1e-6, 0.0)
+    per_token = cpu.site_start_backward(x, proj, alpha, bias, outputs[-1], *grads, 20, 0.0)
     assert all(g.isfinite().all() for g in per_token)
     grad_x = cpu.site_start_grad_x(torch.zeros(37, 3, 5), x, outputs[1], grads[0], per_token[-1])
     assert grad_x.isfinite().all()

@@ -217,7 +217,7 @@ def site_start_forward(x, proj, alpha, bias, iters: int, rms_eps: float, hc_eps:
     return x_in, h_pre, h_post, h_res, inv_rms
 
 
-def site_start_backward(x, proj, alpha, bias, inv_rms, grad_x_in, grad_h_post, grad_h_res, iters, rms_eps, hc_eps):
+def site_start_backward(x, proj, alpha, bias, inv_rms, grad_x_in, grad_h_post, grad_h_res, iters, hc_eps):
     """The backward of :func:`site_start_forward` up to the matmuls, given ``grad_x_in [T, d]``,
     ``grad_h_post [T, n]`` and ``grad_h_res [T, n, n]`` (each ``None`` for a zero gradient) ->
     per token ``(grad_bias [T, M], grad_gates [T, 3], grad_proj [T, M], rms_coef [T])``: the
@@ -249,7 +249,6 @@ def site_start_backward(x, proj, alpha, bias, inv_rms, grad_x_in, grad_h_post, g
         n,
         d,
         iters,
-        rms_eps,
         hc_eps,
     )
     return outputs  # grad_bias, grad_gates, grad_proj, rms_coef

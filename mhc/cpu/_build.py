@@ -65,7 +65,7 @@ SIGNATURES = {
     "mhc_post_mix_forward": (None, [_PTR] * 5 + [_I64, _I64, _I64]),
     "mhc_post_mix_backward": (None, [_PTR] * 9 + [_I64, _I64, _I64]),
     "mhc_site_start_forward": (ctypes.c_int, [_PTR] * 9 + [_I64] * 4 + [_F32, _F32]),
-    "mhc_site_start_backward": (ctypes.c_int, [_PTR] * 12 + [_I64] * 4 + [_F32, _F32]),
+    "mhc_site_start_backward": (ctypes.c_int, [_PTR] * 12 + [_I64] * 4 + [_F32]),
     "mhc_site_start_grad_x": (None, [_PTR] * 5 + [_I64] * 3),
 }
 

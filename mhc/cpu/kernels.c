@@ -568,13 +568,12 @@ static void site_start_backward_tokens(const void *task_args, Work w, int64_t t0
 int mhc_site_start_backward(const float *x, const float *proj, const float *alpha, const float *bias,
                             const float *inv_rms, const float *grad_x_in, const float *grad_h_post,
                             const float *grad_h_res, float *grad_bias, float *grad_gates, float *grad_proj,
-                            float *rms_coef, int64_t tokens, int64_t n, int64_t d, int64_t iters, float rms_eps,
-                            float hc_eps) {
+                            float *rms_coef, int64_t tokens, int64_t n, int64_t d, int64_t iters, float hc_eps) {
     SiteStartArgs args = {0};
     args.x = x, args.proj = proj, args.alpha = alpha, args.bias = bias, args.inv_rms = inv_rms;
     args.grad_x_in = grad_x_in, args.grad_h_post = grad_h_post, args.grad_h_res = grad_h_res;
     args.grad_bias = grad_bias, args.grad_gates = grad_gates, args.grad_proj = grad_proj, args.rms_coef = rms_coef;
-    args.n = n, args.d = d, args.iters = iters, args.rms_eps = rms_eps, args.hc_eps = hc_eps;
+    args.n = n, args.d = d, args.iters = iters, args.hc_eps = hc_eps;
     return for_each_block(site_start_backward_tokens, &args, tokens, n, iters);
 }
 

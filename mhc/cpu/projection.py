@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["normalized_projection"]
+__all__ = ["normalized_projection", "normalized_projection_formula"]
 
 
-def _formula(v: torch.Tensor, phi: torch.Tensor, eps: float) -> torch.Tensor:
+def normalized_projection_formula(v: torch.Tensor, phi: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(v @ phi) * rsqrt(mean(v^2, -1) + eps)`` as PyTorch ops."""
     return (v @ phi) * torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
 
 
 class _NormalizedProjection(torch.autograd.Function):
     """``v [T, K]``, ``phi [K, M]`` -> ``[T, M]``. Double backward: the backward of a backward
-    that builds a graph differentiates :func:`_formula` with autograd."""
+    that builds a graph differentiates :func:`normalized_projection_formula` with autograd."""
 
     @staticmethod
     def forward(ctx, v, phi, eps):
@@ -36,7 +37,9 @@ class _NormalizedProjection(torch.autograd.Function):
         v, phi, projected, inverse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
             wanted = [t for t in (v, phi) if t.requires_grad]
-            found = iter(torch.autograd.grad(_formula(v, phi, ctx.eps), wanted, grad, create_graph=True))
+            found = iter(
+                torch.autograd.grad(normalized_projection_formula(v, phi, ctx.eps), wanted, grad, create_graph=True)
+            )
             return *(next(found) if t.requires_grad else None for t in (v, phi)), None
         grad_projected = grad * inverse
         # d inverse / d v = -inverse^3 v / K

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from mhc import cpu, reference
+from mhc.cpu.projection import normalized_projection_formula
 
 __all__ = ["site_start"]
 
@@ -24,14 +25,13 @@ __all__ = ["site_start"]
 def _formula(x, phi, alpha, bias, iters, rms_eps, hc_eps):
     """``(x_in, h_post, h_res)`` as PyTorch ops, for ``x [T, n, d]``."""
     n = x.shape[-2]
-    v = x.flatten(-2)
-    proj = (v @ phi) * torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + rms_eps)
+    proj = normalized_projection_formula(x.flatten(-2), phi, rms_eps)
     pre, post, res = proj.split([n, n, n * n], dim=-1)
     b_pre, b_post, b_res = bias.split([n, n, n * n])
     h_pre = torch.sigmoid(b_pre + alpha[0] * pre) + hc_eps
     h_post = 2.0 * torch.sigmoid(b_post + alpha[1] * post)
     logits = (b_res + alpha[2] * res).unflatten(-1, (n, n))
-    h_res = reference.sinkhorn_eps(logits, iters, hc_eps) if hc_eps > 0 else reference.sinkhorn_stable(logits, iters)
+    h_res = reference.sinkhorn_loop(logits, iters, hc_eps)
     return (h_pre.unsqueeze(-1) * x).sum(-2), h_post, h_res
 
 
@@ -61,6 +61,7 @@ class _SiteStart(torch.autograd.Function):
         if torch.is_grad_enabled() or not all(g is None or cpu.runs_on(g) for g in grads):
             return *_formula_gradients(ctx, (x, phi, alpha, bias), grads), None, None, None
         lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        iters, _, hc_eps = ctx.settings  # the backward reads 1 / RMS as the forward left it
         tokens = x.view(-1, n, d) if copy is None else copy
         T = tokens.shape[0]
         grad_x_in, grad_h_post, grad_h_res = (
@@ -75,7 +76,8 @@ class _SiteStart(torch.autograd.Function):
             grad_x_in,
             grad_h_post,
             grad_h_res,
-            *ctx.settings,
+            iters,
+            hc_eps,
         )
         grad_bias, grad_gates, grad_proj, rms_coef = per_token
         grad_x = grad_phi = None
