@@ -64,20 +64,10 @@ class _SiteStart(torch.autograd.Function):
         iters, _, hc_eps = ctx.settings  # the backward reads 1 / RMS as the forward left it
         tokens = x.view(-1, n, d) if copy is None else copy
         T = tokens.shape[0]
-        grad_x_in, grad_h_post, grad_h_res = (
-            None if g is None else g.reshape(T, *g.shape[len(lead) :]).contiguous() for g in grads
-        )
+        grads = tuple(None if g is None else g.reshape(T, *g.shape[len(lead) :]).contiguous() for g in grads)
+        grad_x_in = grads[0]  # [T, d]; grad_h_post [T, n] and grad_h_res [T, n, n] follow
         per_token = cpu.site_start_backward(
-            tokens,
-            proj,
-            alpha.contiguous(),
-            bias.contiguous(),
-            inv_rms,
-            grad_x_in,
-            grad_h_post,
-            grad_h_res,
-            iters,
-            hc_eps,
+            tokens, proj, alpha.contiguous(), bias.contiguous(), inv_rms, *grads, iters, hc_eps
         )
         grad_bias, grad_gates, grad_proj, rms_coef = per_token
         grad_x = grad_phi = None
