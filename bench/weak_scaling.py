@@ -8,7 +8,12 @@ for every run, the arms interleaved within a run, and times it. The driver write
 and ``scaling.md`` (per-run step times, and the N-GPU step over the 1-GPU step of the same run);
 the CSV also holds the host's median time to issue a step (``step()`` returned, before the device
 sync): a step issued in about its wall time is bound by the host. ``--pin K`` pins rank ``r`` to
-the ``r``-th ``K`` of the cores the job may use.
+the ``r``-th ``K`` of the cores the job may use. Below the table, each arm's efficiency (median
+over runs of the 1-GPU step over the N-GPU step) and, for the arms after the first, the
+difference to the first arm's with a 90% bootstrap interval over the runs: single runs of a
+host-bound step spread by many points, and the interval says how far the medians can be trusted.
+
+    python -m bench.weak_scaling --summarize a/scaling.csv b/scaling.csv   # the same over saved runs
 ``--profile`` adds a torch.profiler trace
 summary of each arm's step on the largest GPU count (``profile_<arm>.txt``): GPU busy time
 against step time, and how long the host takes to issue a step.
@@ -30,6 +35,7 @@ import csv
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -296,7 +302,7 @@ def driver(args):
                 ms = [r["step_ms"] for r in rows if (r["tokens_per_gpu"], r["arm"], r["gpus"]) == (tokens, arm, g)]
                 ratios.append(", ".join(f"{m / b:.3f}" for m, b in zip(ms, base)))
             lines.append(f"| {tokens} | {arm} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    table = "\n".join(lines)
+    table = "\n".join(lines + [""] + efficiency_summary(rows, args.arms))
     print(table)
     with open(os.path.join(args.out, "scaling.md"), "w") as f:
         f.write(table + "\n")
@@ -312,6 +318,61 @@ def driver(args):
             print(text.splitlines()[0], flush=True)
             with open(os.path.join(args.out, f"profile_{arm}.txt"), "w") as f:
                 f.write(text)
+
+
+def efficiency_summary(rows, arms, resamples: int = 10000, seed: int = 0) -> list[str]:
+    """One line per token count and GPU count above the fewest: each arm's efficiency (median over
+    runs of the fewest-GPU step over this count's, in %) and, for the arms after the first, the
+    difference to the first arm's with a 90% bootstrap interval (runs resampled with their arms
+    together: the arms of a run share its host). ``rows``: dicts with ``run``, ``tokens_per_gpu``,
+    ``arm``, ``gpus``, ``step_ms`` and optionally ``source`` (runs of different files kept apart)."""
+    steps = {}
+    for r in rows:
+        run = (r.get("source", 0), int(r["run"]))
+        steps[int(r["tokens_per_gpu"]), run, r["arm"], int(r["gpus"])] = float(r["step_ms"])
+    rng, lines = random.Random(seed), []
+    for tokens in sorted({key[0] for key in steps}):
+        counts = sorted({key[3] for key in steps if key[0] == tokens})
+        for g in counts[1:]:
+            runs = sorted({key[1] for key in steps if key[0] == tokens})
+            runs = [run for run in runs if all((tokens, run, a, n) in steps for a in arms for n in (counts[0], g))]
+            if not runs:
+                continue
+            ratio = {a: [steps[tokens, run, a, counts[0]] / steps[tokens, run, a, g] for run in runs] for a in arms}
+            cells = []
+            for a in arms:
+                cell = f"{a} {100 * statistics.median(ratio[a]):.1f}%"
+                if a != arms[0]:
+                    low, high = _bootstrap_difference(ratio[a], ratio[arms[0]], resamples, rng)
+                    diff = 100 * (statistics.median(ratio[a]) - statistics.median(ratio[arms[0]]))
+                    cell += f" ({diff:+.1f} points, 90% interval {100 * low:+.1f} .. {100 * high:+.1f})"
+                cells.append(cell)
+            lines.append(f"{tokens} tokens per GPU, {counts[0]} -> {g} GPUs, {len(runs)} runs: " + "; ".join(cells))
+    return lines
+
+
+def _bootstrap_difference(a: list, b: list, resamples: int, rng) -> tuple[float, float]:
+    """The 5th and 95th percentiles of ``median(a) - median(b)`` over runs drawn with replacement
+    (the same runs for both)."""
+    n = len(a)
+    diffs = []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        diffs.append(statistics.median(a[i] for i in pick) - statistics.median(b[i] for i in pick))
+    diffs.sort()
+    return diffs[int(0.05 * resamples)], diffs[min(resamples - 1, int(0.95 * resamples))]
+
+
+def summarize(paths) -> list[str]:
+    """:func:`efficiency_summary` over saved ``scaling.csv`` files (each file's runs kept apart),
+    the arms in the order the files first name them (the first is the reference)."""
+    rows = []
+    for source, path in enumerate(paths):
+        with open(path, newline="") as f:
+            rows += [dict(r, source=source) for r in csv.DictReader(f)]
+    if not rows:
+        raise ValueError(f"no rows in {list(paths)}")
+    return efficiency_summary(rows, list(dict.fromkeys(r["arm"] for r in rows)))
 
 
 def main(argv=None):
@@ -333,7 +394,11 @@ def main(argv=None):
     p.add_argument("--out", default="results/scaling")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--summarize", nargs="+", metavar="CSV", help="the efficiency summary of saved scaling.csv files")
     args = p.parse_args(argv)
+    if args.summarize:
+        print("\n".join(summarize(args.summarize)))
+        return
     if args.pin < 0:
         p.error("--pin takes a core count >= 0")
     if any(t % args.seq for t in args.tokens):

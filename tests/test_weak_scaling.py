@@ -21,3 +21,41 @@ def test_driver_runs_every_arm_on_one_and_two_processes(tmp_path, monkeypatch):
         assert {r["host_cores"] for r in rows} == {"1"}
     table = (tmp_path / "scaling.md").read_text()
     assert "| 64 | mhc-chain |" in table and "2 / 1 GPU" in table
+    assert "64 tokens per GPU, 1 -> 2 GPUs, 1 runs: plain" in table and "mhc-chain" in table.splitlines()[-1]
+
+
+def _rows(efficiencies: dict, source=None) -> list:
+    """Rows of runs whose 2-GPU step makes each arm's efficiency ``efficiencies[arm][run]``."""
+    rows = []
+    for arm, per_run in efficiencies.items():
+        for run, e in enumerate(per_run):
+            for gpus, ms in ((1, 80.0 + run), (2, (80.0 + run) / e)):
+                row = dict(run=str(run), tokens_per_gpu="8192", arm=arm, gpus=str(gpus), step_ms=str(ms))
+                rows.append(row if source is None else dict(row, source=source))
+    return rows
+
+
+def test_efficiency_summary_reports_medians_and_a_paired_interval():
+    plain = [0.90, 1.00, 0.95, 1.05, 0.97]
+    shifted = [e - 0.05 for e in plain]  # every run 5 points lower: every resample's difference is -5
+    noisy = [0.80, 1.10, 0.96, 0.99, 0.90]
+    rows = _rows(dict(plain=plain, mhc=shifted, chain=noisy))
+    (line,) = weak_scaling.efficiency_summary(rows, ["plain", "mhc", "chain"])
+    assert line.startswith("8192 tokens per GPU, 1 -> 2 GPUs, 5 runs: plain 97.0%; mhc 92.0% (-5.0 points")
+    assert "90% interval -5.0 .. -5.0" in line
+    low, high = (float(v) for v in line.split("chain 96.0% (-1.0 points, 90% interval ")[1].rstrip(")").split(" .. "))
+    assert low < -1.0 < high  # the noisy arm's interval is wide and holds its difference
+
+
+def test_summarize_keeps_the_runs_of_each_file_apart(tmp_path):
+    paths = []
+    for i, per_run in enumerate(([0.9, 1.0], [1.1])):  # run ids 0, 1 and again 0
+        path = tmp_path / f"scaling{i}.csv"
+        rows = _rows(dict(plain=per_run, mhc=per_run))
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        paths.append(str(path))
+    (line,) = weak_scaling.summarize(paths)
+    assert "3 runs: plain 100.0%; mhc 100.0% (+0.0 points" in line
