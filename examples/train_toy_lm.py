@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -307,14 +308,16 @@ def build_model(args, arm: str, vocab: int) -> TinyGPT:
     )
 
 
-def shard(model: TinyGPT, args) -> TinyGPT:
-    """FSDP2: one unit per transformer block (a hyper-connection with its branch), then the root.
-    bf16 / fp16 runs gather parameters in that dtype and reduce gradients in fp32."""
+def shard(model: TinyGPT, args, device: torch.device) -> TinyGPT:
+    """FSDP2: one unit per transformer block (a hyper-connection with its branch), then the root,
+    over all processes on ``device``'s type (FSDP2's default mesh would take the GPU even for
+    ``--device cpu``). bf16 / fp16 runs gather parameters in that dtype and reduce gradients in fp32."""
     dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -457,7 +460,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     log_path, ckpt_path = out / f"{name}.jsonl", out / f"{name}.pt"
     model = build_model(args, arm, source.vocab).to(device)
     if args.fsdp:
-        model = shard(model, args)  # before the optimizer: its parameters become sharded DTensors
+        model = shard(model, args, device)  # before the optimizer: its parameters become sharded DTensors
     if args.cuda_graph:  # a tensor learning rate: set on the device between replays
         opt = torch.optim.AdamW(
             model.parameters(),
@@ -811,7 +814,13 @@ def main(argv=None) -> list[Path]:
         if args.batch_size % world:
             sys.exit(f"--batch-size ({args.batch_size}) must be divisible by the {world} processes")
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if local_rank >= torch.cuda.device_count():
+                sys.exit(
+                    f"process {local_rank} of this node has no GPU of its own ({torch.cuda.device_count()} "
+                    "here): launch at most one process per GPU, or pass --device cpu"
+                )
+            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)

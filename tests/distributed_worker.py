@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -113,8 +114,11 @@ def train(model, rank: int = 0, world: int = 1, wrapped=None):
 
 
 def shard(model: EveryModule, mp_policy=None, per_module: bool = True) -> EveryModule:
-    """FSDP2: every mhc module its own unit (``per_module``), then the root."""
-    kwargs = {} if mp_policy is None else dict(mp_policy=mp_policy)
+    """FSDP2: every mhc module its own unit (``per_module``), then the root, on a CPU mesh (FSDP2's
+    default mesh is on the accelerator wherever there is one)."""
+    kwargs = dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    if mp_policy is not None:
+        kwargs.update(mp_policy=mp_policy)
     if per_module:
         for module in (*model.blocks, model.expand, model.sinkhorn, model.lanes, model.head):
             fully_shard(module, **kwargs)

@@ -220,6 +220,17 @@ def test_fsdp_needs_torchrun(capsys):
         toy.main(["--fsdp", "--steps", "1", "--out-dir", "unused"] + TINY)
 
 
+def test_more_processes_than_gpus_exit_with_a_clear_message(monkeypatch):
+    # torchrun's second process on a one-GPU machine: refused before any CUDA call
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
+    tiny_on_gpu = [a for a in TINY if a not in ("--device", "cpu")]
+    with pytest.raises(SystemExit, match="no GPU of its own .1 here.: launch at most one process per GPU"):
+        toy.main(["--steps", "1", "--out-dir", "unused"] + tiny_on_gpu)
+
+
 def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
     # recomputation replays the same ops on the same inputs: bit-identical training
     args = ["--residual", "mhc", "--steps", "4", "--eval-every", "4"] + TINY
