@@ -403,6 +403,8 @@ def main(argv=None):
         p.error("--pin takes a core count >= 0")
     if any(t % args.seq for t in args.tokens):
         p.error(f"--tokens must be multiples of --seq ({args.seq})")
+    if not args.worker and torch.cuda.is_available() and max(args.gpus) > torch.cuda.device_count():
+        p.error(f"--gpus {max(args.gpus)}: this machine has {torch.cuda.device_count()} GPU(s), one per process")
     if args.worker:
         worker(args)
     else:

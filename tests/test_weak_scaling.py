@@ -4,6 +4,9 @@ the table and the CSV."""
 import csv
 import os
 
+import pytest
+import torch
+
 from bench import weak_scaling
 
 
@@ -59,3 +62,11 @@ def test_summarize_keeps_the_runs_of_each_file_apart(tmp_path):
         paths.append(str(path))
     (line,) = weak_scaling.summarize(paths)
     assert "3 runs: plain 100.0%; mhc 100.0% (+0.0 points" in line
+
+
+def test_more_gpus_than_the_machine_has_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        weak_scaling.main(["--gpus", "1", "2", "--tokens", "2048"])
+    assert exc.value.code == 2 and "--gpus 2: this machine has 1 GPU(s)" in capsys.readouterr().err
