@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 
 import torch
 
@@ -24,3 +25,20 @@ def write_csv(rows: list[dict], path: str, fields: list[str]) -> None:
         writer = csv.DictWriter(f, fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def dev_tool_args(doc: str, sections, argv=None) -> list[str]:
+    """The arguments of a GPU development tool run as ``python -m bench.<tool> [section ...]``
+    (``bench.tune_mixing``, ``bench.tune_sinkhorn``): ``-h`` / ``--help`` prints ``doc``; an
+    argument whose name (before any ``=``) is not in ``sections``, or a machine without CUDA,
+    stops the tool with a message instead of a traceback."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(doc)
+        raise SystemExit(0)
+    unknown = [a for a in args if a.split("=", 1)[0] not in sections]
+    if unknown:
+        raise SystemExit(f"unknown argument(s) {unknown}; this tool takes {', '.join(sections)} (--help)")
+    if not torch.cuda.is_available():
+        raise SystemExit("this tool times kernels on a CUDA GPU, and PyTorch finds none here")
+    return args

@@ -43,6 +43,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
+from bench.harness import dev_tool_args
 from mhc import kernels
 from mhc.kernels import _launch, mhc_coefficients, stream_mix
 
@@ -762,28 +763,32 @@ def sweep_mix_bwd():
     stream_mix._unroll, stream_mix._bwd_config = unroll, config
 
 
+SWEEPS = (
+    ("compile", compile_times),
+    ("overhead", launch_overhead),
+    ("projection", sweep_projection),
+    ("projection-split", sweep_projection_split),
+    ("projection-compiled", sweep_projection_compiled),
+    ("mix-bwd", sweep_mix_bwd),
+    ("coefficients", sweep_coefficients),
+    ("coefficients-split", sweep_coefficients_split),
+    ("small-tokens", sweep_small_tokens),
+    ("small-tokens-epilogues", sweep_small_tokens_epilogues),
+    ("small-tokens-projection", sweep_small_tokens_projection),
+    ("small-tokens-mix", sweep_small_tokens_mix),
+    ("small-tokens-split", sweep_small_tokens_split),
+)
+
+
 if __name__ == "__main__":
+    args = dev_tool_args(__doc__, [name for name, _ in SWEEPS] + ["host", "tf32", "n"])
     # "n=8" among the arguments: the projection and coefficient sweeps at n = 8 streams (default 4)
-    STREAMS = next((int(a[2:]) for a in sys.argv[1:] if a.startswith("n=")), 4)
-    todo = sys.argv[1:] or ["compile", "overhead", "projection", "coefficients"]
+    STREAMS = next((int(a[2:]) for a in args if a.startswith("n=")), 4)
+    todo = args or ["compile", "overhead", "projection", "coefficients"]
     if "host" in todo:
         host_profile()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for name, fn in (
-        ("compile", compile_times),
-        ("overhead", launch_overhead),
-        ("projection", sweep_projection),
-        ("projection-split", sweep_projection_split),
-        ("projection-compiled", sweep_projection_compiled),
-        ("mix-bwd", sweep_mix_bwd),
-        ("coefficients", sweep_coefficients),
-        ("coefficients-split", sweep_coefficients_split),
-        ("small-tokens", sweep_small_tokens),
-        ("small-tokens-epilogues", sweep_small_tokens_epilogues),
-        ("small-tokens-projection", sweep_small_tokens_projection),
-        ("small-tokens-mix", sweep_small_tokens_mix),
-        ("small-tokens-split", sweep_small_tokens_split),
-    ):
+    for name, fn in SWEEPS:
         if name in todo:
             print(f"# {name}", flush=True)
             fn()

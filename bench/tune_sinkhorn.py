@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from bench.harness import dev_tool_args
 from mhc import kernels
 from mhc.kernels import _arch, _tiles, sinkhorn, sinkhorn_implicit, sinkhorn_tiled
 from mhc.kernels._launch import forget_launch_plans
@@ -192,7 +193,7 @@ def compile_times():
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:] or ["layout"]
+    args = dev_tool_args(__doc__, ["tiles", "--write", "first-call", "layout", "ir", "compile"]) or ["layout"]
     writes = [a.partition("=")[2] or True for a in args if a.startswith("--write")]
     write = writes[0] if writes else False
     for arg in (a for a in args if not a.startswith("--write")):
