@@ -200,6 +200,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="per rank: host time to issue a step against its wall time")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not torch.cuda.is_available() or world > torch.cuda.device_count():
+        p.error(f"one GPU per process: {world} process(es), {torch.cuda.device_count()} GPU(s) here")
     rank = 0
     if world > 1:
         dist.init_process_group("nccl")

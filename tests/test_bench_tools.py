@@ -1,5 +1,6 @@
-"""The front door of the GPU development tools (``bench.harness.dev_tool_args``): help, unknown
-sections and a machine without CUDA end in a message, not in a traceback from the first kernel."""
+"""The front doors of the GPU tools (``bench.harness.dev_tool_args``, ``bench.tensor_parallel``):
+help, unknown sections, a machine without CUDA and too few GPUs end in a message, not in a
+traceback from the first kernel."""
 
 import pytest
 import torch
@@ -32,3 +33,15 @@ def test_sections_with_values_pass_through(monkeypatch):
     argv = ["tiles=bwd,implicit:picked.jsonl", "--write=row.json", "n=8", "layout"]
     assert dev_tool_args("", SECTIONS, argv) == argv
     assert dev_tool_args("", SECTIONS, []) == []
+
+
+def test_tensor_parallel_wants_one_gpu_per_process(monkeypatch, capsys):
+    from bench import tensor_parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", ["bench.tensor_parallel"])
+    with pytest.raises(SystemExit) as exc:
+        tensor_parallel.main()
+    assert exc.value.code == 2 and "one GPU per process: 2 process(es), 1 GPU(s) here" in capsys.readouterr().err
