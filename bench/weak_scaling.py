@@ -14,9 +14,10 @@ difference to the first arm's with a 90% bootstrap interval over the runs: singl
 host-bound step spread by many points, and the interval says how far the medians can be trusted.
 
     python -m bench.weak_scaling --summarize a/scaling.csv b/scaling.csv   # the same over saved runs
-``--profile`` adds a torch.profiler trace
-summary of each arm's step on the largest GPU count (``profile_<arm>.txt``): GPU busy time
-against step time, and how long the host takes to issue a step.
+
+``--profile`` adds a torch.profiler trace summary of each arm's step on the largest GPU count
+(``profile_<arm>.txt``): GPU busy time against step time, and how long the host takes to issue a
+step.
 
 The model (issue-sized): d = 2048, 8 layers (16 sites), 16 heads, n = 4 streams, sequences of
 2048 tokens, fp32 master weights, FSDP2 ``fully_shard`` per layer and at the root with
