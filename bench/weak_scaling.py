@@ -324,9 +324,10 @@ def driver(args):
 def efficiency_summary(rows, arms, resamples: int = 10000, seed: int = 0) -> list[str]:
     """One line per token count and GPU count above the fewest: each arm's efficiency (median over
     runs of the fewest-GPU step over this count's, in %) and, for the arms after the first, the
-    difference to the first arm's with a 90% bootstrap interval (runs resampled with their arms
-    together: the arms of a run share its host). ``rows``: dicts with ``run``, ``tokens_per_gpu``,
-    ``arm``, ``gpus``, ``step_ms`` and optionally ``source`` (runs of different files kept apart)."""
+    difference to the first arm's over the runs that have both, with a 90% bootstrap interval
+    (runs resampled with their arms together: the arms of a run share its host). ``rows``: dicts
+    with ``run``, ``tokens_per_gpu``, ``arm``, ``gpus``, ``step_ms`` and optionally ``source``
+    (runs of different files kept apart)."""
     steps = {}
     for r in rows:
         run = (r.get("source", 0), int(r["run"]))
@@ -335,20 +336,24 @@ def efficiency_summary(rows, arms, resamples: int = 10000, seed: int = 0) -> lis
     for tokens in sorted({key[0] for key in steps}):
         counts = sorted({key[3] for key in steps if key[0] == tokens})
         for g in counts[1:]:
-            runs = sorted({key[1] for key in steps if key[0] == tokens})
-            runs = [run for run in runs if all((tokens, run, a, n) in steps for a in arms for n in (counts[0], g))]
-            if not runs:
+            ratio = {}  # arm -> {run: efficiency}
+            for t, run, arm, n in steps:
+                if (t, n) == (tokens, g) and (tokens, run, arm, counts[0]) in steps:
+                    ratio.setdefault(arm, {})[run] = steps[tokens, run, arm, counts[0]] / steps[tokens, run, arm, g]
+            present = [a for a in arms if a in ratio]
+            if not present:
                 continue
-            ratio = {a: [steps[tokens, run, a, counts[0]] / steps[tokens, run, a, g] for run in runs] for a in arms}
             cells = []
-            for a in arms:
-                cell = f"{a} {100 * statistics.median(ratio[a]):.1f}%"
-                if a != arms[0]:
-                    low, high = _bootstrap_difference(ratio[a], ratio[arms[0]], resamples, rng)
-                    diff = 100 * (statistics.median(ratio[a]) - statistics.median(ratio[arms[0]]))
-                    cell += f" ({diff:+.1f} points, 90% interval {100 * low:+.1f} .. {100 * high:+.1f})"
+            for a in present:
+                cell = f"{a} {100 * statistics.median(ratio[a].values()):.1f}% ({len(ratio[a])} runs)"
+                paired = sorted(set(ratio[a]) & set(ratio.get(arms[0], {}))) if a != arms[0] else []
+                if paired:
+                    mine, base = [ratio[a][r] for r in paired], [ratio[arms[0]][r] for r in paired]
+                    low, high = _bootstrap_difference(mine, base, resamples, rng)
+                    diff = 100 * (statistics.median(mine) - statistics.median(base))
+                    cell += f", {diff:+.1f} points over its runs, 90% interval {100 * low:+.1f} .. {100 * high:+.1f}"
                 cells.append(cell)
-            lines.append(f"{tokens} tokens per GPU, {counts[0]} -> {g} GPUs, {len(runs)} runs: " + "; ".join(cells))
+            lines.append(f"{tokens} tokens per GPU, {counts[0]} -> {g} GPUs: " + "; ".join(cells))
     return lines
 
 

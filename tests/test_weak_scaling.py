@@ -24,7 +24,7 @@ def test_driver_runs_every_arm_on_one_and_two_processes(tmp_path, monkeypatch):
         assert {r["host_cores"] for r in rows} == {"1"}
     table = (tmp_path / "scaling.md").read_text()
     assert "| 64 | mhc-chain |" in table and "2 / 1 GPU" in table
-    assert "64 tokens per GPU, 1 -> 2 GPUs, 1 runs: plain" in table and "mhc-chain" in table.splitlines()[-1]
+    assert "64 tokens per GPU, 1 -> 2 GPUs: plain" in table and "mhc-chain" in table.splitlines()[-1]
 
 
 def _rows(efficiencies: dict, source=None) -> list:
@@ -44,9 +44,10 @@ def test_efficiency_summary_reports_medians_and_a_paired_interval():
     noisy = [0.80, 1.10, 0.96, 0.99, 0.90]
     rows = _rows(dict(plain=plain, mhc=shifted, chain=noisy))
     (line,) = weak_scaling.efficiency_summary(rows, ["plain", "mhc", "chain"])
-    assert line.startswith("8192 tokens per GPU, 1 -> 2 GPUs, 5 runs: plain 97.0%; mhc 92.0% (-5.0 points")
+    assert line.startswith("8192 tokens per GPU, 1 -> 2 GPUs: plain 97.0% (5 runs); mhc 92.0% (5 runs), -5.0 points")
     assert "90% interval -5.0 .. -5.0" in line
-    low, high = (float(v) for v in line.split("chain 96.0% (-1.0 points, 90% interval ")[1].rstrip(")").split(" .. "))
+    tail = line.split("chain 96.0% (5 runs), -1.0 points over its runs, 90% interval ")[1]
+    low, high = (float(v) for v in tail.split(" .. "))
     assert low < -1.0 < high  # the noisy arm's interval is wide and holds its difference
 
 
@@ -61,7 +62,16 @@ def test_summarize_keeps_the_runs_of_each_file_apart(tmp_path):
             w.writerows(rows)
         paths.append(str(path))
     (line,) = weak_scaling.summarize(paths)
-    assert "3 runs: plain 100.0%; mhc 100.0% (+0.0 points" in line
+    assert "plain 100.0% (3 runs); mhc 100.0% (3 runs), +0.0 points" in line
+
+
+def test_an_arm_of_some_runs_is_paired_on_those_runs_only():
+    # files pooled from runs with and without an arm: the others keep all their runs
+    rows = _rows(dict(plain=[1.0, 0.9, 1.0, 0.8], mhc=[0.9, 0.9, 0.9, 0.9]))
+    rows += [r for r in _rows(dict(chain=[1.0, 0.8])) if int(r["run"]) < 2]  # chain in runs 0 and 1 only
+    (line,) = weak_scaling.efficiency_summary(rows, ["plain", "mhc", "chain"])
+    assert "plain 95.0% (4 runs); mhc 90.0% (4 runs), -5.0 points" in line
+    assert "chain 90.0% (2 runs), -5.0 points over its runs" in line  # against plain's 1.0, 0.9
 
 
 def test_more_gpus_than_the_machine_has_is_refused(monkeypatch, capsys):
