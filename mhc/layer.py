@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mhc import cpu, reference
+from mhc._autocast import autocast_off
 from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
 from mhc._compat import functorch_active, through_ops
 from mhc._library import kernel_op
@@ -237,7 +238,7 @@ def check_no_functorch(what: str) -> None:
 
 def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str, eps: float = 0.0) -> torch.Tensor:
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=logits.device.type, enabled=False):
+    with autocast_off(logits.device.type):
         x = logits.to(compute)
         if backward == "implicit":
             check_no_functorch("the implicit backward (backward='implicit')")

@@ -19,8 +19,10 @@ import math
 import torch
 from torch import nn
 
+from mhc._autocast import autocast_enabled, autocast_off
 from mhc._autograd import refuse_double_backward
 from mhc._checks import BACKENDS, FLOAT_DTYPES
+from mhc._compat import without_values
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
@@ -119,7 +121,10 @@ def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
     """Queues the range check of the targets; the returned function raises ``ValueError`` if a
     target is outside ``[0, vocab)`` and not ``ignore_index`` (PyTorch would index out of bounds
     or assert on the device). Call it once the forward pass is queued (neither pass indexes by the
-    target): it waits for the check alone, so the GPU is not left idle while the pass launches."""
+    target): it waits for the check alone, so the GPU is not left idle while the pass launches.
+    Meta and fake tensors have no values: nothing is checked there."""
+    if without_values(target):  # a meta or fake tensor: no values to check
+        return lambda: None
     from mhc.kernels._host import read_later  # the kernel package, imported on first use
 
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
@@ -137,14 +142,15 @@ def _resolve_backend(input: torch.Tensor, backend: str) -> str:
     if input.shape[-1] == 0:  # no features: the logits are the bias (or 0), no product to fuse
         return "torch"
     if backend == "auto":
-        return "triton" if input.is_cuda and input.dtype in KERNEL_DTYPES else "torch"
-    if backend == "triton":
+        backend = "triton" if input.is_cuda and input.dtype in KERNEL_DTYPES else "torch"
+    elif backend == "triton":
         if input.dtype not in KERNEL_DTYPES:
             raise ValueError(
                 f"the Triton kernels take float16, bfloat16 or float32, got {input.dtype}; use backend='torch'"
             )
         _kernels().check_device(input)
-    return backend
+    # a fake CUDA tensor has no data for a kernel to read: the same passes as PyTorch ops
+    return "torch" if without_values(input) else backend
 
 
 # PyTorch path: the same passes as the kernels, one [N, chunk] block of logits at a time in fp32
@@ -449,7 +455,7 @@ def linear_cross_entropy(
         autocast, input, weight and bias are cast to the autocast dtype as ``F.linear`` would.
     """
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
-    if torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         input, linear_weight, linear_bias = _autocast(device_type, input, linear_weight, linear_bias)
     if ignore_index is None:
         ignore_index = DEFAULT_IGNORE_INDEX
@@ -465,7 +471,7 @@ def linear_cross_entropy(
     if not isinstance(capturable, bool):
         raise TypeError(f"capturable must be a bool, got {type(capturable).__name__}")
     options = LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale, softcap, capturable)
-    with torch.autocast(device_type=device_type, enabled=False):
+    with autocast_off(device_type):
         loss, z_loss = _apply(x, linear_weight.contiguous(), linear_bias, t, class_weight, options, backend)
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)

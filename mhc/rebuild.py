@@ -27,6 +27,7 @@ import contextlib
 
 import torch
 
+from mhc._autocast import autocast_restored, autocast_state
 from mhc._compat import in_backward, top_saved_tensor_hooks
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "function_args",
     "function_outputs",
     "steps_of",
-    "autocast_state",
 ]
 
 
@@ -66,17 +66,6 @@ class StreamsAt:
             x = step(x, *args)
             at.value = x
         return x
-
-
-def autocast_state(device_type: str) -> dict:
-    """The arguments of ``torch.autocast`` that restore the current autocast state of
-    ``device_type`` (as ``torch.utils.checkpoint`` replays its forward)."""
-    return dict(
-        device_type=device_type,
-        enabled=torch.is_autocast_enabled(device_type),
-        dtype=torch.get_autocast_dtype(device_type),
-        cache_enabled=torch.is_autocast_cache_enabled(),
-    )
 
 
 class Plan:
@@ -282,7 +271,7 @@ def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "r
         if not isinstance(saved, _Rebuild):
             return saved
         p = saved.plan
-        with torch.autocast(**p.autocast):
+        with autocast_restored(p.autocast):
             base = p.at.get(p.start, p.steps, step)
         shape, stride = saved.layout
         if base.dtype != saved.dtype or base.stride() != stride or base.storage_offset() != 0:

@@ -10,6 +10,7 @@
 - :func:`unsharded_dtensor`: a ``DTensor`` made from its spec (``DTensorSpec``), which the
   sequence-parallel sites' gradients reuse instead of building one per parameter per step.
 - :func:`backport_checkpoint_tags`: the checkpoint tagging fix of PyTorch 2.12, below.
+- :func:`without_values`: whether a tensor is fake (``torch._subclasses.fake_tensor.is_fake``) or meta.
 - :mod:`mhc._compat.write_analysis`: one write analysis per kernel specialization while
   ``torch.compile`` traces mhc's kernels (wraps ``torch._higher_order_ops.triton_kernel_wrap``).
 
@@ -40,6 +41,7 @@ import os
 import torch
 
 __all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "functorch_active", "is_plain", "through_ops",
+           "without_values",
            "marked_must_save",
            "top_saved_tensor_hooks", "in_backward", "materialized", "after_backward", "backward_task",
            "unsharded_dtensor"]  # fmt: skip
@@ -70,6 +72,16 @@ def is_plain(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain tensor (or parameter), whose data pointer holds its values: not a
     subclass such as ``DTensor``, a fake tensor or an asynchronous collective's result."""
     return type(x) in (torch.Tensor, torch.nn.Parameter)
+
+
+def without_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a shape but no values to read on the host: a meta tensor, or a fake
+    tensor (``FakeTensorMode``, which memory and FLOP estimates run models under)."""
+    if t.is_meta:
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def through_ops(x: torch.Tensor) -> bool:
