@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from mhc._compat import transforms_active
 from mhc._sharding import is_dtensor
 
 BACKWARDS = ("exact", "implicit")
@@ -79,3 +80,15 @@ def check_operand(t, shapes: tuple, what: str, device: torch.device, where: str 
         want = " or ".join(str(list(s)) for s in shapes)
         raise ValueError(f"{what} must have shape {want}, got {list(t.shape)}")
     check_same_device(t, device, what, where)
+
+
+def check_no_transform(
+    what: str, instead: str = "use backend='torch' or 'auto' with backward='exact' (PyTorch ops)"
+) -> None:
+    """Raises ``RuntimeError`` where a ``torch.func`` transform runs or forward-mode AD is on:
+    ``what`` is an autograd Function, which neither can run; ``instead`` says what can."""
+    if transforms_active():
+        raise RuntimeError(
+            f"{what} runs as an autograd.Function, which torch.func transforms (grad, vmap, jvp, ...) and "
+            f"forward-mode AD (torch.autograd.forward_ad) cannot run; there {instead}"
+        )

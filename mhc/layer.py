@@ -12,8 +12,8 @@ from torch import nn
 
 from mhc import cpu, reference
 from mhc._autocast import autocast_off
-from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_settings
-from mhc._compat import functorch_active, through_ops
+from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_no_transform, check_settings
+from mhc._compat import through_ops, transforms_active
 from mhc._library import kernel_op
 from mhc._sharding import is_dtensor, on_local_shards
 
@@ -42,9 +42,9 @@ def _resolve_backend(logits: torch.Tensor, backend: str, eps: float = 0.0) -> st
     n = logits.shape[-1]
     max_n = MAX_N if eps == 0 else MAX_EPS_N
     if backend == "auto":
-        backend = "triton" if logits.is_cuda and n <= max_n and not functorch_active() else "torch"
+        backend = "triton" if logits.is_cuda and n <= max_n and not transforms_active() else "torch"
     if backend == "triton":
-        check_no_functorch("the Triton Sinkhorn")
+        check_no_transform("the Triton Sinkhorn")
         if n > max_n:
             what = "kernels" if eps == 0 else "kernels with eps > 0"
             raise ValueError(f"the Triton {what} take n <= {max_n}, got n = {n}; use backend='torch'")
@@ -226,24 +226,14 @@ def _tokens_first(t: torch.Tensor) -> torch.Tensor:
     return t.movedim((0, 1), (-2, -1)).contiguous()
 
 
-def check_no_functorch(what: str) -> None:
-    """Raises where a ``torch.func`` transform runs: ``what`` is an autograd Function, which the
-    transforms cannot run."""
-    if functorch_active():
-        raise RuntimeError(
-            f"{what} runs as an autograd.Function, which torch.func transforms (grad, vmap, jvp, ...) cannot "
-            "run; under them use backend='torch' or 'auto' with backward='exact' (PyTorch ops)"
-        )
-
-
 def _sinkhorn_torch(logits: torch.Tensor, iters: int, backward: str, eps: float = 0.0) -> torch.Tensor:
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     with autocast_off(logits.device.type):
         x = logits.to(compute)
         if backward == "implicit":
-            check_no_functorch("the implicit backward (backward='implicit')")
+            check_no_transform("the implicit backward (backward='implicit')")
             out = _TorchImplicit.apply(x, iters)
-        elif torch.compiler.is_compiling() or functorch_active():  # autograd differentiates the loop itself
+        elif torch.compiler.is_compiling() or transforms_active():  # autograd differentiates the loop itself
             out = reference.sinkhorn_loop(x, iters, eps)
         else:
             out = _TorchExact.apply(x, iters, eps)

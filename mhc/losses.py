@@ -21,7 +21,7 @@ from torch import nn
 
 from mhc._autocast import autocast_enabled, autocast_off
 from mhc._autograd import refuse_double_backward
-from mhc._checks import BACKENDS, FLOAT_DTYPES
+from mhc._checks import BACKENDS, FLOAT_DTYPES, check_no_transform
 from mhc._compat import without_values
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
@@ -454,6 +454,9 @@ def linear_cross_entropy(
         its gradient and the accumulation of both gradients) whatever the input dtype; under
         autocast, input, weight and bias are cast to the autocast dtype as ``F.linear`` would.
     """
+    check_no_transform(
+        "linear_cross_entropy", "compute F.cross_entropy(F.linear(input, linear_weight, linear_bias), target)"
+    )
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
     if autocast_enabled(device_type):
         input, linear_weight, linear_bias = _autocast(device_type, input, linear_weight, linear_bias)

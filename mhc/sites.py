@@ -25,11 +25,11 @@ import torch
 from einops import einsum
 
 from mhc import cpu
-from mhc._checks import MAX_STREAMS, check_local, check_same_device, check_streams_shape
-from mhc._compat import functorch_active, materialized
+from mhc._checks import MAX_STREAMS, check_local, check_no_transform, check_same_device, check_streams_shape
+from mhc._compat import materialized, transforms_active
 from mhc._local import local_parameters
 from mhc.cpu import mixing as cpu_mixing
-from mhc.layer import _kernels, check_no_functorch
+from mhc.layer import _kernels
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
 
@@ -41,11 +41,11 @@ def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     ``n <= MAX_STREAMS`` and the PyTorch reference otherwise (and under ``torch.func`` transforms,
     which the fused autograd Functions cannot run under)."""
     if backend == "auto":
-        return "triton" if x.is_cuda and n <= MAX_STREAMS and not functorch_active() else "torch"
+        return "triton" if x.is_cuda and n <= MAX_STREAMS and not transforms_active() else "torch"
     if backend == "triton":
         if n > MAX_STREAMS:
             raise ValueError(f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'")
-        check_no_functorch("the fused path (backend='triton')")
+        check_no_transform("the fused path (backend='triton')")
         _kernels().check_device(x)
     return backend
 

@@ -1,13 +1,17 @@
-"""``torch.func`` transforms over the layers: under ``grad``, ``vmap`` and ``jvp`` the layers take
-their PyTorch ops (the C loops and the fused path are autograd Functions, which the transforms
-cannot run), with the values autograd gives outside them; what cannot run says so."""
+"""``torch.func`` transforms and forward-mode AD over the layers: under ``grad``, ``vmap`` and
+``jvp``, and inside a ``torch.autograd.forward_ad.dual_level``, the layers take their PyTorch ops
+(the C loops and the fused path are autograd Functions, which neither can run), with the values
+autograd gives outside them; what cannot run says so."""
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwad
 from torch.func import functional_call
 
 from mhc.layer import sinkhorn
+from mhc.losses import linear_cross_entropy
 from mhc.mixing import HyperConnection, LaneMixer
+from tests.site_stack import model_kinds
 
 SITES = {
     "mhc": dict(),
@@ -86,15 +90,54 @@ def test_lane_mixer_and_sinkhorn_under_grad():
     torch.testing.assert_close(got, z.grad, rtol=1e-4, atol=1e-6)
 
 
+FORWARD_AD_MODELS = {k: v for k, v in model_kinds(8, 4).items() if k != "mhc, implicit backward"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", sorted(FORWARD_AD_MODELS))
+def test_forward_mode_ad_is_the_adjoint_of_the_backward(kind, device):
+    """<J v, u> from a dual tensor against <v, J^T u> from the backward outside it; fp64 on the
+    CPU (the PyTorch ops both ways), fp32 on CUDA (the fused kernels outside)."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = FORWARD_AD_MODELS[kind]().to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x, v, u = (randn(2, 3, 8, seed=s, dtype=dtype, device=device) for s in (10, 11, 12))
+    with fwad.dual_level():
+        jv = fwad.unpack_dual(model(fwad.make_dual(x, v))).tangent
+    x_ = x.clone().requires_grad_()
+    (model(x_) * u).sum().backward()
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close((jv * u).sum(), (v * x_.grad).sum(), **tol)
+
+
+def _under_grad(call):
+    torch.func.grad(lambda z: call(z).sum())(randn(3, 4, 4, seed=0))
+
+
+def _under_forward_ad(call):
+    with fwad.dual_level():
+        z = randn(3, 4, 4, seed=0)
+        call(fwad.make_dual(z, torch.ones_like(z)))
+
+
+LOSS_WEIGHT = torch.randn(5, 4)
+
+
+@pytest.mark.parametrize("transform", [_under_grad, _under_forward_ad], ids=["torch.func.grad", "forward_ad"])
 @pytest.mark.parametrize(
     "call, what",
     [
         (lambda z: sinkhorn(z, 20, backward="implicit"), "implicit backward"),
         (lambda z: sinkhorn(z, 20, backend="triton"), "Triton Sinkhorn"),
         (lambda z: HyperConnection(4, 4, branch=torch.nn.Identity(), backend="triton")(z), "fused path"),
+        (lambda z: linear_cross_entropy(z.flatten(0, 1), LOSS_WEIGHT, torch.zeros(12).long()), "linear_cross_entropy"),
     ],
-    ids=["implicit", "triton sinkhorn", "triton site"],
+    ids=["implicit", "triton sinkhorn", "triton site", "loss"],
 )
-def test_what_transforms_cannot_run_says_so(call, what):
-    with pytest.raises(RuntimeError, match=f"{what}.*torch.func transforms"):
-        torch.func.grad(lambda z: call(z).sum())(randn(3, 4, 4, seed=0))
+def test_what_transforms_cannot_run_says_so(call, what, transform):
+    with pytest.raises(RuntimeError, match=f"{what}.*torch.func transforms.*forward-mode AD"):
+        transform(call)

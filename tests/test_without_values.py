@@ -4,81 +4,17 @@ estimates run models on. Every layer runs forward and backward there with the sh
 (the C loops run fp32 only)."""
 
 import contextlib
-import functools
 
 import pytest
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from mhc import (
-    HyperConnection,
-    LaneMixer,
-    StreamCollapse,
-    checkpoint_layers,
-    expand_streams,
-    linear_cross_entropy,
-    recompute_streams,
-    reduce_streams,
-    sinkhorn,
-)
+from mhc import linear_cross_entropy, sinkhorn
+from tests.site_stack import model_kinds
 
 DIM, N, VOCAB = 16, 4, 11
-
-
-class Sites(nn.Module):
-    """Three sites over ``[..., DIM]`` tokens, run one by one or chained."""
-
-    def __init__(self, chained=False, **options):
-        super().__init__()
-        self.sites = nn.ModuleList(HyperConnection(DIM, N, branch=nn.Linear(DIM, DIM), **options) for _ in range(3))
-        self.chained = chained
-
-    def forward(self, tokens):
-        x = expand_streams(tokens, N)
-        if not self.chained:
-            for site in self.sites:
-                x = site(x)
-            return reduce_streams(x)
-        x_in, finish = self.sites[0].split(x)
-        for site, nxt in zip(self.sites, [*self.sites[1:], None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                return reduce_streams(finish(y))
-            x_in, finish = finish(y, next=nxt)
-
-
-def _with_recompute(model):
-    recompute_streams(model)
-    return model
-
-
-class CheckpointedSites(Sites):
-    def forward(self, tokens):
-        return reduce_streams(checkpoint_layers(self.sites, expand_streams(tokens, N)))
-
-
-class Lanes(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mix, self.collapse = LaneMixer(N, DIM, dynamic=True), StreamCollapse(DIM, N)
-
-    def forward(self, tokens):
-        return self.collapse(self.mix(expand_streams(tokens, N)))
-
-
-# a model over [..., DIM] tokens, built on the current default device
-MODELS = {
-    "mhc": Sites,
-    "mhc, implicit backward": functools.partial(Sites, backward="implicit"),
-    "mhc, static": functools.partial(Sites, dynamic=False),
-    "hc": functools.partial(Sites, constraint="none"),
-    "mhc, chained": functools.partial(Sites, chained=True),
-    "mhc, recompute_streams": lambda: _with_recompute(Sites()),
-    "mhc, checkpoint_layers": CheckpointedSites,
-    "lane mixer and collapse": Lanes,
-}
+MODELS = model_kinds(DIM, N)
 
 
 @contextlib.contextmanager

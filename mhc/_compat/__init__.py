@@ -1,9 +1,9 @@
 """Every private PyTorch API the layers use, in one place, with the version checks and fallbacks
 (the kernel layer's private Triton and CUDA-stream APIs are :mod:`mhc.kernels._compat`).
 
-- :func:`dispatch_mode_active`, :func:`functorch_active`, :func:`top_saved_tensor_hooks`,
+- :func:`dispatch_mode_active`, :func:`transforms_active`, :func:`top_saved_tensor_hooks`,
   :func:`in_backward`: state of the dispatcher and of autograd that PyTorch exposes only through
-  ``torch._C``.
+  ``torch._C`` (and forward-mode AD's level, ``torch.autograd.forward_ad._current_level``).
 - :func:`after_backward`, :func:`backward_task`: the autograd engine's callback queue
   (``Variable._execution_engine``), which DDP and FSDP use to act once a backward has finished,
   and the id of the backward now running.
@@ -39,8 +39,9 @@ import operator
 import os
 
 import torch
+from torch.autograd import forward_ad
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "functorch_active", "is_plain", "through_ops",
+__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "transforms_active", "is_plain", "through_ops",
            "without_values",
            "marked_must_save",
            "top_saved_tensor_hooks", "in_backward", "materialized", "after_backward", "backward_task",
@@ -58,12 +59,15 @@ def dispatch_mode_active() -> bool:
     return stack is not None and stack() > 0
 
 
-def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running. The layers'
-    autograd Functions cannot run inside one (they define no ``setup_context`` or vmap rule), so
-    the layers then take their PyTorch ops. ``False`` while ``torch.compile`` traces."""
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) runs or forward-mode
+    AD is on (a ``torch.autograd.forward_ad.dual_level`` is open). The layers' autograd Functions
+    cannot run there (they define no ``setup_context``, vmap rule or ``jvp``), so the layers then
+    take their PyTorch ops. ``False`` while ``torch.compile`` traces."""
     if torch.compiler.is_compiling():
         return False
+    if getattr(forward_ad, "_current_level", -1) >= 0:
+        return True
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return active is not None and active()
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from mhc._compat import functorch_active, is_plain
+from mhc._compat import is_plain, transforms_active
 from mhc.cpu._build import build_error, library
 
 __all__ = [
@@ -72,7 +72,7 @@ def runs_on(*tensors: torch.Tensor) -> bool:
             return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.is_autocast_enabled("cpu"):
         return False
-    return not functorch_active() and available()
+    return not transforms_active() and available()
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple) -> None:
