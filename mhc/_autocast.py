@@ -17,6 +17,8 @@ __all__ = ["autocast_available", "autocast_enabled", "autocast_off", "autocast_s
 
 def autocast_available(device_type: str) -> bool:
     """Whether ``torch.autocast`` knows ``device_type``."""
+    if device_type in ("cuda", "cpu"):  # no call: Dynamo before PyTorch 2.13 cannot trace the query
+        return True
     return torch.amp.is_autocast_available(device_type)
 
 

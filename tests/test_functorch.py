@@ -98,6 +98,8 @@ FORWARD_AD_MODELS = {k: v for k, v in model_kinds(8, 4).items() if k != "mhc, im
 def test_forward_mode_ad_is_the_adjoint_of_the_backward(kind, device):
     """<J v, u> from a dual tensor against <v, J^T u> from the backward outside it; fp64 on the
     CPU (the PyTorch ops both ways), fp32 on CUDA (the fused kernels outside)."""
+    if kind == "mhc, checkpoint_layers" and not hasattr(torch.utils.checkpoint._CheckpointFrame, "save_inputs"):
+        pytest.skip("this PyTorch's checkpoint saves its inputs through an autograd.Function without jvp")
     dtype = torch.float64 if device == "cpu" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
