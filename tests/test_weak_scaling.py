@@ -11,7 +11,8 @@ from bench import weak_scaling
 
 
 def test_driver_runs_every_arm_on_one_and_two_processes(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, whatever the machine has
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks run gloo on the CPU, whatever the machine has
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and so does this process, CUDA set up or not
     sizes = "--tokens 64 --runs 1 --steps 1 --warmup 1 --dim 32 --layers 1 --heads 2 --seq 32"
     pin = "1" if len(os.sched_getaffinity(0)) >= 2 else "0"  # each of the 2 ranks on a core of its own
     weak_scaling.main(["--gpus", "1", "2", *sizes.split(), "--pin", pin, "--out", str(tmp_path)])
