@@ -572,3 +572,49 @@ def test_stream_collapse_fused_matches_reference(eps, nan_poison):
     torch.testing.assert_close(fused(x), (h[..., None] * x).sum(-2), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"\[\.\.\., 4, 10\]"):
         fused(torch.zeros(3, 5, 10, device=DEVICE))
+
+
+def _scaled_step(model, h, target, scale):
+    """One fp16 mixed-precision step with ``GradScaler(init_scale=scale)`` and SGD; returns the
+    scaler, the parameters before and the unscaled gradients it stepped with."""
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler(h.device.type, init_scale=scale)
+    with torch.autocast(h.device.type, dtype=torch.float16):
+        loss = (model(h).float() - target).square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grads = [p.grad.detach().clone() for p in params]
+    scaler.step(opt)
+    scaler.update()
+    return scaler, before, grads
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["modules", "chained"])
+def test_fp16_grad_scaler_skips_an_overflowing_step_and_unscales_the_others(chain):
+    """fp16 streams under autocast with a ``GradScaler``: a scale that overflows fp16 gives
+    non-finite gradients, so the step is skipped (no kernel turns inf into a finite value); at a
+    sane scale the unscaled gradients equal those of the same step scaled by 1."""
+    from tests.site_stack import SiteStack
+
+    dim, n = 24, 4
+    torch.manual_seed(0)
+    branches = [Branch(dim) for _ in range(3)]
+    model = SiteStack(dim, n, branches, chain=chain, backend="triton").to(DEVICE)
+    h = torch.randn(2, 16, dim, device=DEVICE).half()
+    target = torch.randn(2, 16, dim, device=DEVICE)
+    scaler, before, _ = _scaled_step(model, h, target, 2.0**40)
+    assert scaler.get_scale() < 2.0**40
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "an overflowing step was taken"
+    model.zero_grad(set_to_none=True)
+    _, before, scaled = _scaled_step(model, h, target, 2.0**10)
+    assert all(g.isfinite().all() for g in scaled)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a finite step was skipped"
+    with torch.no_grad():  # back to the parameters of the step, for the unscaled run
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
+    model.zero_grad(set_to_none=True)
+    _, _, plain = _scaled_step(model, h, target, 1.0)
+    for got, want in zip(scaled, plain):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
