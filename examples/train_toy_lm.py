@@ -18,7 +18,8 @@ Outputs under ``--out-dir``: ``<arm>_seed<s>.jsonl`` (one record per logged step
 loss, gradient norm, tokens/s, peak memory, and for HC/mHC the per-layer and composite "Amax gain"
 of ``h_res``), ``<arm>_seed<s>.pt`` (checkpoint, used by ``--resume``), ``<arm>_seed<s>_h_res.json``
 (a few ``h_res`` matrices), and with ``--compare``: ``loss_curves.png``, ``gain.png``,
-``h_res_heatmap.png`` and ``summary.md``.
+``h_res_heatmap.png``, ``speed.json`` (tokens/s with the arms' steps timed in turn, one process)
+and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams
 from mhc.sites import layer_backend
 
 ARMS = ("baseline", "hc", "mhc")
+SPEED_FILE = "speed.json"  # --compare's tokens/s with the arms timed in turn
 PRESETS = {
     # a 2-core CPU runs the three-arm comparison in a few minutes
     "cpu": dict(
@@ -453,6 +455,53 @@ def site_path(model: nn.Module, device, dtype: str) -> str:
     return "PyTorch reference, C loops" if loops else "PyTorch reference"
 
 
+def make_optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def training_step(trained, model, opt, batch, lr, args, device):
+    """One eager optimizer step on ``batch [B, T + 1]`` (``trained``: the model as wrapped for
+    data parallelism); returns ``(loss, grad_norm)``."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with autocast(args, device):
+        loss = trained(batch[:, :-1], batch[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    opt.step()
+    return loss, grad_norm
+
+
+def alternated_speed(arms, args, source, device) -> dict:
+    """Tokens/s of each arm's training step with the arms timed in turn: a warm-up round, then
+    ``args.speed_rounds`` rounds in which each arm runs ``args.speed_steps`` steps of a fresh model
+    on one batch; the median over rounds. The arms train one after another, so a machine whose
+    speed drifts over a minute (a shared CPU, by tens of percent) would bias the training
+    intervals' tokens/s; alternating the arms puts every arm in every stretch."""
+    batch = batch_for_step(source, args, 0).to(device)
+    runs = {}
+    for arm in arms:
+        model = build_model(args, arm, source.vocab).to(device)
+        runs[arm] = (model, make_optimizer(model, args))
+    seconds = {arm: [] for arm in arms}
+    for round_ in range(args.speed_rounds + 1):
+        for arm, (model, opt) in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(args.speed_steps):
+                training_step(model, model, opt, batch, args.lr, args, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_:  # round 0 warms up
+                seconds[arm].append(time.perf_counter() - start)
+    tokens = args.speed_steps * args.batch_size * args.seq_len
+    return {arm: tokens / sorted(s)[len(s) // 2] for arm, s in seconds.items()}
+
+
 def train(arm: str, args, source, device, rank: int, world: int) -> Path:
     """Train one arm; returns its JSONL log. Rank 0 logs, evaluates and checkpoints."""
     out = Path(args.out_dir)
@@ -470,7 +519,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
             capturable=True,
         )
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        opt = make_optimizer(model, args)
     start = 0
     if args.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
@@ -497,16 +546,7 @@ def train(arm: str, args, source, device, rank: int, world: int) -> Path:
         if graphed is not None:
             loss, grad_norm = graphed(batch, lr_at(step, args))
         else:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args)
-            with autocast(args, device):
-                loss = trained(batch[:, :-1], batch[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            opt.step()
+            loss, grad_norm = training_step(trained, model, opt, batch, lr_at(step, args), args, device)
         done = step + 1
         if done % args.log_every and done != args.steps and done % args.eval_every:
             progress.update(1)
@@ -606,6 +646,7 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
     if optimum is not None:
         lines.append(f"Optimum (entropy of the synthetic source over the window): {optimum:.4f} nats/token")
         lines.append("")
+    speed = json.loads((out / SPEED_FILE).read_text()) if (out / SPEED_FILE).exists() else None
     lines.append(
         "| arm | path | train loss | val loss | val - optimum | tokens/s | peak memory (MiB) "
         "| max composite gain fwd / bwd |"
@@ -614,7 +655,10 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
     for arm, rs in logs.items():
         val = _final(rs, "val_loss")
         gap = f"{val - optimum:.4f}" if optimum is not None else "n/a"
-        speed = sorted(r["tokens_per_s"] for r in rs)[len(rs) // 2]  # median over logged intervals
+        if speed is not None and arm in speed["tokens_per_s"]:
+            tokens_per_s = speed["tokens_per_s"][arm]
+        else:
+            tokens_per_s = sorted(r["tokens_per_s"] for r in rs)[len(rs) // 2]  # median over logged intervals
         gains = [r["gain"] for r in rs if "gain" in r]
         gain = (
             f"{max(gains[-1]['composite_forward']):.3g} / {max(gains[-1]['composite_backward']):.3g}"
@@ -622,11 +666,19 @@ def write_summary(out: Path, logs: dict, command: str) -> None:
             else "n/a"
         )
         lines.append(
-            f"| {arm} | {_final(rs, 'path')} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {speed:.0f} "
+            f"| {arm} | {_final(rs, 'path')} | {_final(rs, 'train_loss'):.4f} | {val:.4f} | {gap} | {tokens_per_s:.0f} "
             f"| {_final(rs, 'peak_mem_mib'):.0f} | {gain} |"
         )
+    lines.append("")
+    if speed is not None:
+        lines.append(
+            f"tokens/s: the arms' training steps timed in turn, {speed['rounds']} rounds of {speed['steps']} "
+            "steps each (median)."
+        )
+    else:
+        lines.append("tokens/s: the median over the logged intervals of each arm's training.")
     if any(_final(rs, "path").startswith("PyTorch reference") for rs in logs.values()):
-        lines += ["", "On a CPU the hyper-connections run the PyTorch reference path: its tokens/s say what mHC costs",
+        lines += ["On a CPU the hyper-connections run the PyTorch reference path: its tokens/s say what mHC costs",
                   "there, not on a GPU, where the fused kernels run (README, Performance)."]  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -751,6 +803,13 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     p.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=5,
+        help="--compare on one process: rounds of the arms' steps timed in turn for tokens/s (0: off)",
+    )
+    p.add_argument("--speed-steps", type=int, default=10, help="steps per arm and round of --speed-rounds")
+    p.add_argument(
         "--fsdp",
         action="store_true",
         help="shard with FSDP2 (one unit per block; bf16/fp16 parameters, fp32 reduction) under torchrun",
@@ -784,9 +843,12 @@ def parse_args(argv=None):
         "eval_batches",
         "log_every",
         "checkpoint_every",
+        "speed_steps",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.speed_rounds < 0:
+        p.error(f"--speed-rounds must be >= 0, got {args.speed_rounds}")
     if args.dim % args.heads:
         p.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
     if not args.text and not 1 <= args.branching <= args.vocab:
@@ -835,7 +897,13 @@ def main(argv=None) -> list[Path]:
         (Path(args.out_dir) / "run.json").write_text(
             json.dumps(dict(command=command, hardware=hardware(), world_size=world))
         )
+    speed_path = Path(args.out_dir) / SPEED_FILE
+    if rank == 0:
+        speed_path.unlink(missing_ok=True)  # a table speaks of this run's arms only
     logs = [train(arm, args, source, device, rank, world) for arm in arms]
+    if rank == 0 and len(arms) > 1 and world == 1 and not args.cuda_graph and args.speed_rounds:
+        speeds = alternated_speed(arms, args, source, device)
+        speed_path.write_text(json.dumps(dict(rounds=args.speed_rounds, steps=args.speed_steps, tokens_per_s=speeds)))
     if rank == 0:
         make_report(Path(args.out_dir), arms, args.seed, command)
     if distributed:

@@ -67,6 +67,22 @@ def test_compare_quick_path_learns_and_writes_everything(tmp_path):
     reference = "PyTorch reference, C loops" if cpu.available() else "PyTorch reference"
     assert f"| mhc | {reference} |" in summary and "| baseline | plain residual |" in summary
     assert "not on a GPU" in summary
+    # tokens/s from the arms' steps timed in turn, and the table shows those
+    speed = json.loads((tmp_path / "speed.json").read_text())
+    assert set(speed["tokens_per_s"]) == set(toy.ARMS) and all(v > 0 for v in speed["tokens_per_s"].values())
+    assert "timed in turn, 5 rounds of 10 steps" in summary
+    for arm, value in speed["tokens_per_s"].items():
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {arm} |"))
+        assert row.split("|")[6].strip() == f"{value:.0f}"
+
+
+def test_a_single_arm_run_drops_an_earlier_comparisons_speeds(tmp_path):
+    common = ["--steps", "4", "--eval-every", "4", "--out-dir", str(tmp_path), *TINY]
+    toy.main(["--compare", "--speed-rounds", "1", "--speed-steps", "1", *common])
+    assert (tmp_path / "speed.json").exists()
+    toy.main(["--residual", "mhc", *common])
+    assert not (tmp_path / "speed.json").exists()
+    assert "median over the logged intervals" in (tmp_path / "summary.md").read_text()
 
 
 def test_logged_gains_are_the_mixing_metric(tmp_path):
@@ -159,6 +175,8 @@ def test_optimum_matches_the_sampled_sequences():
         (["--text", "/no/such/file.txt"], "no such file"),
         (["--dim", "30", "--heads", "4"], "multiple of --heads"),
         (["--branching", "40"], "--branching must be in"),
+        (["--speed-rounds", "-1"], "--speed-rounds must be >= 0"),
+        (["--speed-steps", "0"], "--speed-steps must be >= 1"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(flags, message, capsys):
