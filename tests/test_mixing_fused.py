@@ -593,9 +593,9 @@ def _scaled_step(model, h, target, scale):
 
 @pytest.mark.parametrize("chain", [False, True], ids=["modules", "chained"])
 def test_fp16_grad_scaler_skips_an_overflowing_step_and_unscales_the_others(chain):
-    """fp16 streams under autocast with a ``GradScaler``: a scale that overflows fp16 gives
-    non-finite gradients, so the step is skipped (no kernel turns inf into a finite value); at a
-    sane scale the unscaled gradients equal those of the same step scaled by 1."""
+    """fp16 streams under autocast with a ``GradScaler``: a scale that overflows fp16 leaves every
+    site parameter's gradient non-finite (none comes out finite and wrong), so the step is
+    skipped; at a sane scale the unscaled gradients equal those of the same step scaled by 1."""
     from tests.site_stack import SiteStack
 
     dim, n = 24, 4
@@ -604,9 +604,11 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_and_unscales_the_others(chai
     model = SiteStack(dim, n, branches, chain=chain, backend="triton").to(DEVICE)
     h = torch.randn(2, 16, dim, device=DEVICE).half()
     target = torch.randn(2, 16, dim, device=DEVICE)
-    scaler, before, _ = _scaled_step(model, h, target, 2.0**40)
+    scaler, before, overflowed = _scaled_step(model, h, target, 2.0**40)
     assert scaler.get_scale() < 2.0**40
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "an overflowing step was taken"
+    for (name, _), grad in zip(model.named_parameters(), overflowed):  # each site's own gradients overflowed too
+        assert "branch" in name or not grad.isfinite().all(), f"{name}'s gradient is finite after an overflow"
     model.zero_grad(set_to_none=True)
     _, before, scaled = _scaled_step(model, h, target, 2.0**10)
     assert all(g.isfinite().all() for g in scaled)
