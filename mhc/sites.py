@@ -38,8 +38,8 @@ __all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
 
 def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
     """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
-    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise (and under ``torch.func`` transforms,
-    which the fused autograd Functions cannot run under)."""
+    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise (and under ``torch.func`` transforms
+    or forward-mode AD, which the fused autograd Functions cannot run under)."""
     if backend == "auto":
         return "triton" if x.is_cuda and n <= MAX_STREAMS and not transforms_active() else "torch"
     if backend == "triton":

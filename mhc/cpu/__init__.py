@@ -65,8 +65,8 @@ def path_name() -> str:
 def runs_on(*tensors: torch.Tensor) -> bool:
     """Whether the layers run these loops for ``tensors``: all plain fp32 tensors on the CPU (a
     subclass such as ``DTensor`` or a fake tensor has no data of its own to read), not while
-    ``torch.compile`` or ``torch.jit.trace`` records the ops or a ``torch.func`` transform runs,
-    not under CPU autocast (whose ops run in lower precision), and the library available."""
+    ``torch.compile`` or ``torch.jit.trace`` records the ops or a ``torch.func`` transform or
+    forward-mode AD runs, not under CPU autocast (whose ops run in lower precision), and the library available."""
     for t in tensors:
         if not is_plain(t) or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
