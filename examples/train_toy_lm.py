@@ -50,7 +50,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mhc import cpu as mhc_cpu
 from mhc.losses import LinearCrossEntropy
 from mhc.mixing import HyperConnection, amax_gain, collect_h_res, expand_streams, reduce_streams
 from mhc.sites import layer_backend
@@ -443,16 +442,14 @@ class GraphedStep:
 
 def site_path(model: nn.Module, device, dtype: str) -> str:
     """What runs the model's hyper-connections: the fused Triton kernels or the PyTorch reference,
-    as the sites themselves decide (``mhc.sites.layer_backend``); on a CPU in fp32 the reference's
-    Sinkhorn and mixing run as C loops where they are built (``mhc.cpu``)."""
+    as the sites themselves decide."""
     site = next((m for m in model.modules() if isinstance(m, HyperConnection)), None)
     if site is None:
         return "plain residual"
     probe = torch.empty(0, site.n_streams, site.dim, device=device)
     if layer_backend(probe, site.n_streams, site.backend) == "triton":
         return "fused kernels"
-    loops = device.type == "cpu" and dtype == "float32" and mhc_cpu.available()
-    return "PyTorch reference, C loops" if loops else "PyTorch reference"
+    return "PyTorch reference"
 
 
 def make_optimizer(model, args):

@@ -28,9 +28,6 @@ import math
 import torch
 from einops import rearrange
 
-from mhc import cpu
-from mhc.cpu import projection as cpu_projection
-from mhc.cpu import site_start as cpu_site_start
 from mhc.layer import sinkhorn
 from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
 from mhc.rebuild import function_args, function_outputs, note_conversion, reference_scope
@@ -46,12 +43,6 @@ def coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
     return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
-
-
-def projection_on_cpu_loops(v: torch.Tensor, phi: torch.Tensor) -> bool:
-    """Whether ``v``'s RMS projection runs as one op (:mod:`mhc.cpu.projection`): fp32 CPU tensors
-    (:func:`mhc.cpu.runs_on`), ``v`` contiguous (a stride-0 view of expanded streams would be copied)."""
-    return cpu.runs_on(v, phi) and v.is_contiguous()
 
 
 def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,10 +79,7 @@ class DynamicMHC:
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         v = rearrange(as_coefficient_dtype(x, dtype), "... s d -> ... (s d)")
         phi = phi.to(dtype)
-        if projection_on_cpu_loops(v, phi):
-            proj = cpu_projection.normalized_projection(v, phi, site.rms_eps)
-        else:
-            proj = (v @ phi) * rms_inverse(v, site.rms_eps)
+        proj = (v @ phi) * rms_inverse(v, site.rms_eps)
         pre, post, res = proj.split([n, n, n * n], dim=-1)
         return a_pre * pre, a_post * post, a_res * rearrange(res, "... (t s) -> ... t s", t=n)
 
@@ -104,19 +92,6 @@ class DynamicMHC:
         pre, post, res = b_pre + pre, b_post + post, b_res + res
         h_res = sinkhorn(res, site.sinkhorn_iters, backward=site.backward, backend=site.backend, eps=site.hc_eps)
         return torch.sigmoid(pre) + site.hc_eps, 2.0 * torch.sigmoid(post), h_res
-
-    def cpu_start(self, site, x: torch.Tensor, plan=None):
-        """``(x_in, h_post, h_res)``: :meth:`reference` and the pre-mix as one op on the CPU loops
-        (:mod:`mhc.cpu.site_start`), or ``None`` where it does not apply: tensors
-        :func:`mhc.cpu.runs_on` rejects, ``n`` above the loops' Sinkhorn, the implicit backward, and
-        streams that recompute mode rebuilds (``plan``) but that are not contiguous (the op's copy
-        of them would be kept)."""
-        if site.backward != "exact" or site.n_streams > cpu.MAX_SINKHORN_N:
-            return None
-        if not cpu.runs_on(x, *site.mixing_parameters()) or (plan is not None and not x.is_contiguous()):
-            return None
-        phi, alpha, bias = site.compute_parameters()
-        return cpu_site_start.site_start(x, phi, alpha, bias, site.sinkhorn_iters, site.rms_eps, site.hc_eps)
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
@@ -151,10 +126,7 @@ class DynamicHC:
         a_pre, a_post, a_res = gates(alpha.to(dtype))
         xf = as_coefficient_dtype(x, dtype)
         phi = phi.to(dtype)
-        if projection_on_cpu_loops(xf, phi):
-            proj = torch.tanh(cpu_projection.normalized_projection(xf, phi, site.rms_eps))  # [..., s, n + 2]
-        else:
-            proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi)
+        proj = torch.tanh((xf * rms_inverse(xf, site.rms_eps)) @ phi)
         return a_pre * proj[..., 0], a_post * proj[..., 1], a_res * proj[..., 2:]
 
     def reference(self, site, x: torch.Tensor):
@@ -164,10 +136,6 @@ class DynamicHC:
         b_pre, b_post, b_res = biases(bias.to(dtype), site.n_streams)
         pre, post, res = self.logits(site, x, parameters)
         return b_pre + pre, b_post + post, b_res + res
-
-    def cpu_start(self, site, x: torch.Tensor, plan=None):
-        """``None``: these coefficients run as PyTorch ops on a CPU (:meth:`DynamicMHC.cpu_start`)."""
-        return None
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         T = math.prod(x.shape[:-2])
@@ -200,10 +168,6 @@ class Static:
         lead = x.shape[:-2]
         h_pre, h_post, h_res = self.coefficients(site)
         return h_pre.expand(*lead, -1), h_post.expand(*lead, -1), h_res.expand(*lead, -1, -1)
-
-    def cpu_start(self, site, x: torch.Tensor, plan=None):
-        """``None``: these coefficients run as PyTorch ops on a CPU (:meth:`DynamicMHC.cpu_start`)."""
-        return None
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         # one set of coefficients, broadcast over tokens (token stride 0)

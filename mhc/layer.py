@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mhc import cpu, reference
+from mhc import reference
 from mhc._autocast import autocast_off
 from mhc._checks import FLOAT_DTYPES, MAX_EPS_N, MAX_N, check_no_transform, check_settings
 from mhc._compat import through_ops, transforms_active
@@ -181,18 +181,12 @@ class _TorchExact(torch.autograd.Function):
     """The reference formulation with its exact backward written out, on matrices laid out
     ``[n, n, tokens]`` (tokens contiguous: each op is a vectorised loop over tokens, not over
     ``n``): the forward keeps each step's divisors rather than every iterate, and the backward
-    walks the steps in reverse (:func:`mhc.reference.sinkhorn_exact_backward`). For the tensors
-    :func:`mhc.cpu.runs_on` accepts (fp32 on a CPU, n <= 16) one C loop does each direction and
-    only the logits are kept: the backward recomputes the iterates. Double backward
+    walks the steps in reverse (:func:`mhc.reference.sinkhorn_exact_backward`). Double backward
     differentiates the unrolled loop on the saved logits. ``[..., n, n]`` -> ``[..., n, n]``."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
         ctx.iters, ctx.eps = iters, eps
-        n = logits.shape[-1]
-        if n <= cpu.MAX_SINKHORN_N and cpu.runs_on(logits):  # one loop, which recomputes in the backward
-            ctx.save_for_backward(logits)
-            return cpu.sinkhorn_forward(logits.reshape(-1, n, n).contiguous(), iters, eps).view(logits.shape)
         out, first_row, cols, rows = reference.sinkhorn_divisors(_tokens_last(logits), iters, eps, dims=(0, 1))
         ctx.save_for_backward(logits, out, first_row, cols, rows)
         return _tokens_first(out)
@@ -202,15 +196,6 @@ class _TorchExact(torch.autograd.Function):
         logits, *kept = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
             return differentiable_backward(logits, grad_out, ctx.iters, "exact", ctx.eps), None, None
-        if not kept:  # the loops' forward: recompute from the logits
-            if cpu.runs_on(grad_out):
-                n = logits.shape[-1]
-                flat = logits.reshape(-1, n, n).contiguous(), grad_out.reshape(-1, n, n).contiguous()
-                return cpu.sinkhorn_backward(*flat, ctx.iters, ctx.eps).view(logits.shape), None, None
-            with torch.enable_grad():  # a gradient the loops cannot read (a subclass): the unrolled loop
-                saved = logits.detach().requires_grad_()
-                grad = differentiable_backward(saved, grad_out, ctx.iters, "exact", ctx.eps)
-            return grad.detach(), None, None
         out, first_row, cols, rows = kept
         grad = reference.sinkhorn_exact_backward(
             _tokens_last(logits), out, first_row, cols, rows, _tokens_last(grad_out), ctx.eps, dims=(0, 1)

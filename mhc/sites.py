@@ -8,7 +8,7 @@ users build, and :mod:`mhc.integrations` adapt other models' modules to it.
 Two paths, chosen per call by :func:`layer_backend`:
 
 - the reference path (``"torch"``): coefficients from ``site.source.reference`` and the mixes as
-  ``einsum`` (on fp32 CPU tensors, ``site.source.cpu_start`` and the C loops); :class:`ReferenceFinish`;
+  ``einsum``; :class:`ReferenceFinish`;
 - the fused path (``"triton"``): ``site.source.fused_start`` (for dynamic mHC one kernel computes
   the coefficients and the pre-mix) and the post-mix kernel; :class:`FusedFinish`.
 
@@ -24,11 +24,9 @@ from __future__ import annotations
 import torch
 from einops import einsum
 
-from mhc import cpu
 from mhc._checks import MAX_STREAMS, check_local, check_no_transform, check_same_device, check_streams_shape
 from mhc._compat import materialized, transforms_active
 from mhc._local import local_parameters
-from mhc.cpu import mixing as cpu_mixing
 from mhc.layer import _kernels
 from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
 from mhc.rebuild import function_args, function_outputs, reference_scope
@@ -71,10 +69,7 @@ def branch_output(out, shape, device):
 
 
 def reference_pre_mix(x, h_pre):
-    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype (one loop on a CPU,
-    :mod:`mhc.cpu`)."""
-    if cpu.runs_on(x, h_pre) and h_pre.shape == x.shape[:-1]:
-        return cpu_mixing.pre_mix(x, h_pre)
+    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype."""
     if x.dtype == torch.float32:
         # a broadcast sum: einsum's batched matmul of m = 1 has a far slower backward on CPUs
         return (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
@@ -84,10 +79,7 @@ def reference_pre_mix(x, h_pre):
 
 def reference_post_mix(x, h_res, y, h_post):
     """The reference post-mix ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y`` in ``x``'s dtype (also
-    the step that rebuilds streams on the reference path; one loop on a CPU, :mod:`mhc.cpu`)."""
-    lead = x.shape[:-1]  # [..., n]: the C loops take no broadcasting
-    if cpu.runs_on(x, h_res, y, h_post) and h_res.shape[:-1] == h_post.shape == lead == y.shape[:-1] + lead[-1:]:
-        return cpu_mixing.post_mix(x, h_res, y, h_post)
+    the step that rebuilds streams on the reference path)."""
     dtype = x.dtype
     mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
     # the outer product by broadcasting: einsum makes it a batched matmul of k = 1, far slower on CPUs
@@ -154,11 +146,8 @@ class Site:
                 schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
         with reference_scope(plan, x, reference_post_mix):
-            start = self.source.cpu_start(self, x, plan)
-            if start is None:
-                h_pre, h_post, h_res = self.source.reference(self, x)
-                start = reference_pre_mix(x, h_pre), h_post, h_res
-        x_in, h_post, h_res = start
+            h_pre, h_post, h_res = self.source.reference(self, x)
+            x_in = reference_pre_mix(x, h_pre)
         if schedule is not None and plan is None:
             schedule.begin(x, path)
         self._record(h_res)

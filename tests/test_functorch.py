@@ -1,6 +1,6 @@
 """``torch.func`` transforms and forward-mode AD over the layers: under ``grad``, ``vmap`` and
 ``jvp``, and inside a ``torch.autograd.forward_ad.dual_level``, the layers take their PyTorch ops
-(the C loops and the fused path are autograd Functions, which neither can run), with the values
+(the fused path's autograd Functions, which neither can run), with the values
 autograd gives outside them; what cannot run says so."""
 
 import pytest
@@ -50,7 +50,7 @@ def test_grad_over_a_site_matches_autograd(kind, dtype, device):
 
     got_p, got_x = torch.func.grad(loss, argnums=(0, 1))(params, x)
     x_ = x.clone().requires_grad_()
-    (layer(x_) * weight).sum().backward()  # outside the transform: the C loops or the fused kernels
+    (layer(x_) * weight).sum().backward()  # outside the transform: the reference's Functions or the fused kernels
     # fp64 on CUDA: the fused kernels outside the transform compute the coefficients in fp32
     exact = dtype == torch.float64 and device == "cpu"
     tol = dict(rtol=1e-10, atol=1e-12) if exact else dict(rtol=1e-4, atol=1e-5)

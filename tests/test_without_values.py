@@ -1,7 +1,6 @@
 """Tensors without values: meta tensors and ``FakeTensorMode``, which model-size, memory and FLOP
 estimates run models on. Every layer runs forward and backward there with the shapes, dtypes and
-(meta) the FLOP count of the same model on real fp64 CPU tensors, which take the same PyTorch ops
-(the C loops run fp32 only)."""
+(meta) the FLOP count of the same model on real fp64 CPU tensors, which take the same PyTorch ops."""
 
 import contextlib
 
