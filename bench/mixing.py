@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.harness import peak_extra, write_csv
-from mhc.checkpoint import checkpoint_layers, checkpoint_policy
+from mhc.memory.checkpoint import checkpoint_layers, checkpoint_policy
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
-from mhc.recompute import recompute_streams
 
 DTYPE = torch.bfloat16
 
@@ -235,8 +235,8 @@ MODELS = {
 
 class GPT(nn.Module):
     """``ckpt``: layers (an attention and an MLP block each) per activation-checkpoint region
-    (:func:`mhc.checkpoint.checkpoint_layers`), ``None`` for none; ``save``: the ``mhc`` ops whose
-    outputs a selective policy keeps there (:func:`mhc.checkpoint.checkpoint_policy`)."""
+    (:func:`mhc.memory.checkpoint.checkpoint_layers`), ``None`` for none; ``save``: the ``mhc`` ops whose
+    outputs a selective policy keeps there (:func:`mhc.memory.checkpoint.checkpoint_policy`)."""
 
     def __init__(self, arm, vocab=32768, dim=1024, layers=8, heads=16, n=4, ckpt=None, save=()):
         super().__init__()
@@ -342,7 +342,7 @@ def training_step(
 ):
     """``(step, model, optimizer)``: one AdamW training step of the GPT ``arm`` (seed 0) on random
     tokens ``[batch, seq]``, run in ``mode`` (a key of :data:`MODES`), with
-    :func:`mhc.recompute.recompute_streams` at block length ``recompute`` if given, ``ckpt``
+    :func:`mhc.memory.recompute.recompute_streams` at block length ``recompute`` if given, ``ckpt``
     layers per checkpoint region if given (``save``: the ``mhc`` ops a selective policy keeps
     there), and FSDP2 on this process (``fsdp``)."""
     torch.manual_seed(0)
@@ -369,7 +369,7 @@ def model_table(configs, seq, modes, only=None, repeats=3, recompute=(), batch=N
     (plain, mhc, ..., plain, mhc, ...); the ratio to the plain model is the median of the
     within-round ratios. Peak memory: the arm's own parameters and optimizer state plus the peak
     of one step (the other arms' models are resident meanwhile and not counted). ``recompute``:
-    block lengths of :func:`mhc.recompute.recompute_streams` to add as arms. ``modes``: names in
+    block lengths of :func:`mhc.memory.recompute.recompute_streams` to add as arms. ``modes``: names in
     :data:`MODES` (``"graphs"``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs). ``batch``:
     sequences per step instead of the configuration's. ``ckpt``: layers per checkpoint region to
     add as arms (plain with 1, mhc with each); ``ckpt_save``: the same for mhc with a selective policy

@@ -286,11 +286,11 @@ def bench_ckpt(args):
 
 def checkpoint_decoder_layers(model, every: int):
     """Checkpoint ``model``'s decoder layers, ``every`` consecutive layers per region
-    (:func:`mhc.checkpoint.checkpoint_layers`): the first layer of each group runs the group, the
+    (:func:`mhc.memory.checkpoint.checkpoint_layers`): the first layer of each group runs the group, the
     others pass the streams on."""
     from torch import nn
 
-    from mhc.checkpoint import checkpoint_layers
+    from mhc.memory.checkpoint import checkpoint_layers
 
     class Group(nn.Module):
         def __init__(self, layers):

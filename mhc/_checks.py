@@ -10,8 +10,7 @@ import math
 
 import torch
 
-from mhc._compat import transforms_active
-from mhc._sharding import is_dtensor
+from mhc._compat import is_dtensor, transforms_active
 
 BACKWARDS = ("exact", "implicit")
 BACKENDS = ("auto", "triton", "torch")
@@ -19,6 +18,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_N = 64  # largest Sinkhorn matrix the kernels take (mhc.kernels.MAX_N)
 MAX_EPS_N = 16  # largest matrix the eps > 0 kernels take (mhc.kernels.MAX_EPS_N)
 MAX_STREAMS = 16  # largest n the fused mixing kernels take (mhc.kernels.MAX_STREAMS)
+# RMS epsilon of the coefficient projection. The paper prints 1e-20, for which the gradient of a
+# zero token is ~1e10 |a| |phi|; 1e-6 bounds it by 1e3 |a| |phi| (docs/mixing.md, "Zero and tiny tokens").
+DEFAULT_RMS_EPS = 1e-6
 
 
 def check_settings(iters, backward, backend, eps=0.0) -> float:
@@ -92,3 +94,19 @@ def check_no_transform(
             f"{what} runs as an autograd.Function, which torch.func transforms (grad, vmap, jvp, ...) and "
             f"forward-mode AD (torch.autograd.forward_ad) cannot run; there {instead}"
         )
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_rms_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rms_eps must be a float, got {type(eps).__name__}")
+    if not (0.0 < eps < math.inf):
+        raise ValueError(f"rms_eps must be a finite float > 0, got {eps}")
+    return float(eps)

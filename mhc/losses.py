@@ -23,12 +23,13 @@ from mhc._autocast import autocast_enabled, autocast_off
 from mhc._autograd import refuse_double_backward
 from mhc._checks import BACKENDS, FLOAT_DTYPES, check_no_transform
 from mhc._compat import without_values
+from mhc.ops.path import choose
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels read
 DEFAULT_IGNORE_INDEX = -100  # PyTorch's, also where ignore_index=None is passed
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the PyTorch path's [N, chunk] logits buffer stays within this many bytes
 TORCH_CHUNK_BYTES = 64 * 2**20
 
@@ -136,21 +137,6 @@ def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
             raise ValueError(f"target holds class {first}, outside [0, {vocab}) and not ignore_index ({ignore_index})")
 
     return raise_if_bad
-
-
-def _resolve_backend(input: torch.Tensor, backend: str) -> str:
-    if input.shape[-1] == 0:  # no features: the logits are the bias (or 0), no product to fuse
-        return "torch"
-    if backend == "auto":
-        backend = "triton" if input.is_cuda and input.dtype in KERNEL_DTYPES else "torch"
-    elif backend == "triton":
-        if input.dtype not in KERNEL_DTYPES:
-            raise ValueError(
-                f"the Triton kernels take float16, bfloat16 or float32, got {input.dtype}; use backend='torch'"
-            )
-        _kernels().check_device(input)
-    # a fake CUDA tensor has no data for a kernel to read: the same passes as PyTorch ops
-    return "torch" if without_values(input) else backend
 
 
 # PyTorch path: the same passes as the kernels, one [N, chunk] block of logits at a time in fp32
@@ -467,7 +453,7 @@ def linear_cross_entropy(
     label_smoothing, lse_square_scale, softcap = _check_loss_options(
         weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss
     )
-    backend = _resolve_backend(input, backend)
+    backend = choose(backend, input, "loss")
     x = input.reshape(target.numel(), dim).contiguous()
     t = target.reshape(-1).long()
     class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()

@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from mhc.layer import FusedMHC
 from mhc.losses import LinearCrossEntropy
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, LaneMixer, StreamExpand, reduce_streams
-from mhc.recompute import recompute_streams
 
 VOCAB, DIM, STREAMS, SEQ, BATCH, STEPS, LR = 16, 8, 4, 6, 8, 4, 1e-3
 
@@ -82,7 +82,7 @@ class EveryModule(nn.Module):
 
 
 def build_model(checkpoint_blocks: bool = False, checkpoint_branches: bool = False, recompute: int = 1) -> EveryModule:
-    """``recompute``: the block length of :func:`mhc.recompute.recompute_streams` (1: off)."""
+    """``recompute``: the block length of :func:`mhc.memory.recompute.recompute_streams` (1: off)."""
     torch.manual_seed(0)
     model = EveryModule(checkpoint_blocks, checkpoint_branches)
     recompute_streams(model, recompute)

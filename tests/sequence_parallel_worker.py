@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc.distributed import parallelize_sites, reduce_gradients
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
-from mhc.recompute import recompute_streams
 from tests.site_stack import through_sites
 
 DIM, STREAMS, BATCH, SEQ = 8, 4, 2, 6

@@ -5,9 +5,9 @@ hidden state widened to ``n`` streams and reduced back, called one by one or cha
 
 from torch import nn
 
-from mhc.checkpoint import checkpoint_layers
+from mhc.memory.checkpoint import checkpoint_layers
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse, expand_streams, reduce_streams
-from mhc.recompute import recompute_streams
 
 
 class SiteStack(nn.Module):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mhc.losses import LinearCrossEntropy
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, LaneMixer, expand_streams, reduce_streams
-from mhc.recompute import recompute_streams
 from tests.site_stack import through_sites
 
 pytestmark = pytest.mark.gpu

@@ -18,9 +18,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from mhc import _compat
-from mhc.checkpoint import SAVABLE_OPS, checkpoint_layers, checkpoint_policy
+from mhc.memory.checkpoint import SAVABLE_OPS, checkpoint_layers, checkpoint_policy
+from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
-from mhc.recompute import recompute_streams
 from tests.conftest import KERNEL_DEVICE
 
 BACKENDS = ["torch", "triton"]

@@ -1,4 +1,4 @@
-"""The kernels inside compiled and exported graphs (``mhc._library``): ``torch.compile`` launches
+"""The kernels inside compiled and exported graphs (``mhc.ops.library``): ``torch.compile`` launches
 the Triton kernels from Inductor's own code (no ``torch.ops.mhc`` call left in it), with the
 Python wrapper and with ``cpp_wrapper``; ``torch.export`` + AOTInductor runs HyperConnection sites
 from a package. Values and gradients against eager mode."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from mhc import _library
 from mhc.layer import sinkhorn
-from mhc.mixing_ops import post_mix, pre_mix
+from mhc.ops import library as _library
+from mhc.ops.mixing import post_mix, pre_mix
 from tests.site_stack import SiteStack
 
 pytestmark = [

@@ -19,8 +19,9 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from transformers import DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
 
-from mhc import mixing_ops  # noqa: E402
 from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
+from mhc.modules.site import KEEP_STREAMS  # noqa: E402
+from mhc.ops import mixing as mixing_ops  # noqa: E402
 from tests.conftest import KERNEL_DEVICE  # noqa: E402
 from tests.deepseek_v4_data import step_ids, tiny_config  # noqa: E402
 from tests.torchrun import torchrun  # noqa: E402
@@ -206,7 +207,7 @@ def test_recompute_gives_the_same_step(backend):
         for key, grad in want[2].items():
             assert torch.equal(grads[key], grad), key
     patch_deepseek_v4(patched, backend=backend)
-    assert patched.model.layers[0].attn_hc._recompute is None
+    assert patched.model.layers[0].attn_hc._recompute is KEEP_STREAMS
 
 
 def test_errors():

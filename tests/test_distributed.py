@@ -128,33 +128,13 @@ def test_dcp_sharded_save_loads_resharded_and_unsharded(distributed_results):
         assert torch.equal(model.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("gate_shape", [(), (1,)])
-def test_state_dict_with_separate_gates_and_biases_still_loads(gate_shape):
-    # checkpoints of the seven separate parameters (gates 0-d, later [1]) load into alpha and bias
+def test_state_dict_of_separate_gates_and_biases_is_refused():
+    # one layout only: alpha [3] and bias [2n + n*n]; the seven separate parameters are not keys
     n = 3
-    old = {
-        "b_pre": torch.arange(n) + 0.5,
-        "b_post": -torch.arange(n) - 1.0,
-        "b_res": torch.arange(n * n, dtype=torch.float32).view(n, n),
-        "a_pre": torch.tensor(0.5).reshape(gate_shape),
-        "a_post": torch.tensor(-0.25).reshape(gate_shape),
-        "a_res": torch.tensor(2.0).reshape(gate_shape),
-        "phi": torch.randn(n * 8, 2 * n + n * n),
-    }
-    hc = HyperConnection(8, n)
-    nested = torch.nn.Sequential(HyperConnection(8, n))
-    hc.load_state_dict(old)
-    nested.load_state_dict({"0." + k: v for k, v in old.items()})
-    for layer in (hc, nested[0]):
-        assert torch.equal(layer.alpha, torch.tensor([0.5, -0.25, 2.0]))
-        assert torch.equal(layer.b_pre, old["b_pre"]) and torch.equal(layer.b_post, old["b_post"])
-        assert torch.equal(layer.b_res, old["b_res"]) and torch.equal(layer.phi, old["phi"])
-        assert layer.a_post.shape == (1,) and layer.a_post.item() == -0.25
-    static = HyperConnection(8, n, dynamic=False)
-    static.load_state_dict({k: old[k] for k in ("b_pre", "b_post", "b_res")})
-    assert torch.equal(static.b_res, old["b_res"])
-    with pytest.raises(RuntimeError, match="size mismatch"):  # other shapes are still an error
-        hc.load_state_dict({**old, "a_pre": torch.zeros(2)})
+    old = {"b_pre": torch.zeros(n), "b_post": torch.zeros(n), "b_res": torch.zeros(n, n)}
+    old.update(a_pre=torch.zeros(1), a_post=torch.zeros(1), a_res=torch.zeros(1), phi=torch.zeros(n * 8, 2 * n + n * n))
+    with pytest.raises(RuntimeError, match="Missing key.*alpha.*bias|Unexpected key"):
+        HyperConnection(8, n).load_state_dict(old)
 
 
 def test_gates_are_not_scalars():

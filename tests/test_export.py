@@ -1,5 +1,5 @@
 """``torch.export`` of models with fused HyperConnection sites, against eager mode, on the kernels'
-device: Triton's interpreter on a CPU (the ops are ``custom_op``s there, ``mhc._library``), the GPU
+device: Triton's interpreter on a CPU (the ops are ``custom_op``s there, ``mhc.ops.library``), the GPU
 otherwise (``triton_op``s; the AOTInductor package is tested in ``tests/test_compiled_gpu.py``).
 The token count is exported as dynamic and checked at the exported count and at others."""
 

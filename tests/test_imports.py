@@ -1,11 +1,15 @@
-"""The package's import graph: imports point down, never in a circle, and the kernel layer
-(``mhc/kernels/``) imports nothing above it. Imports inside functions count too."""
+"""The package's import graph: imports point down the layers of ``docs/architecture.md``, never
+in a circle, and the kernel layer (``mhc/kernels/``) imports nothing above it. Imports inside
+functions count too."""
 
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import mhc
 
@@ -63,7 +67,7 @@ def _cycle(graph: dict) -> list | None:
 def test_the_graph_is_read():
     graph = _graph()
     assert "mhc.kernels.sinkhorn" in graph["mhc.kernels"]
-    assert "mhc.sites" in graph["mhc.recompute"]
+    assert "mhc.modules.site" in graph["mhc.memory.recompute"]
 
 
 def test_no_import_circle():
@@ -73,6 +77,44 @@ def test_no_import_circle():
 def test_the_circle_finder_finds_one():
     assert _cycle({"mhc.a": {"mhc.b"}, "mhc.b": {"mhc.c"}, "mhc.c": {"mhc.a"}}) == ["mhc.a", "mhc.b", "mhc.c", "mhc.a"]
     assert _cycle({"mhc.a": {"mhc.b"}, "mhc.b": set()}) is None
+
+
+# docs/architecture.md, bottom to top; a module may import its own layer and the ones below
+LAYERS = (
+    ("mhc._checks", "mhc._compat", "mhc._autocast", "mhc._autograd", "mhc.kernels"),
+    ("mhc.reference",),
+    ("mhc.ops",),
+    ("mhc.modules",),
+    ("mhc.memory", "mhc.distributed"),
+    ("mhc.integrations",),
+    ("mhc.layer", "mhc.mixing", "mhc.losses", "mhc"),
+)
+
+
+def _layer(module: str) -> int:
+    if module == "mhc":
+        return len(LAYERS) - 1
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "mhc"):
+            return rank
+    raise AssertionError(f"{module} is in no layer of docs/architecture.md")
+
+
+def test_imports_point_down_the_layers():
+    up = [
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        for d in deps
+        if _layer(d) > _layer(m)
+        or (_layer(m) == 0 and _layer(d) == 0 and m.startswith("mhc.kernels") != d.startswith("mhc.kernels"))
+    ]
+    assert not up, up
+
+
+def test_the_layer_check_sees_an_arrow_up():
+    assert _layer("mhc.ops.mixing") < _layer("mhc.modules.site") < _layer("mhc.memory.recompute")
+    with pytest.raises(AssertionError):
+        _layer("mhc.somewhere_new")
 
 
 @pytest.mark.parametrize("module", sorted(m for m in _graph() if m.startswith("mhc.kernels")))
@@ -102,3 +144,31 @@ def test_private_apis_only_behind_the_compat_doors():
 def test_the_private_api_pattern_matches():
     assert PRIVATE.search("stream = torch._C._cuda_getCurrentRawStream(0)")
     assert PRIVATE.search("from triton import knobs") and not PRIVATE.search("import triton.language as tl")
+
+
+def test_import_changes_nothing_outside_mhc():
+    """``import mhc`` leaves PyTorch's checkpoint tagging and Triton write analysis as they are
+    (``mhc`` wraps them at the first trace of one of its ops, for its own graph pieces only)."""
+    code = (
+        "import torch\n"
+        "from torch._higher_order_ops import triton_kernel_wrap as w\n"
+        "from torch._higher_order_ops.wrap import TagActivationCheckpoint as T\n"
+        "names = [n for n in ('identify_accessed_tensors', 'identify_mutated_tensors') if hasattr(w, n)]\n"
+        "before = [getattr(w, n) for n in names] + [T.__dict__.get('tag_nodes')]\n"
+        "import mhc, mhc.mixing, mhc.layer, mhc.losses, mhc.memory, mhc.distributed, mhc.reference\n"
+        "after = [getattr(w, n) for n in names] + [T.__dict__.get('tag_nodes')]\n"
+        "assert names and all(a is b for a, b in zip(before, after)), (before, after)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_checkpoint_tags_reach_only_bodies_that_call_mhc_ops():
+    from mhc._compat import _calls_mhc_ops
+
+    x = torch.randn(2, 4, 8)
+    w = torch.rand(2, 4, 4)
+    ours = torch.fx.symbolic_trace(lambda x, w: torch.ops.mhc.stream_mix_fwd(x, w, None, None).sin())
+    theirs = torch.fx.symbolic_trace(lambda x, w: (w @ x).sin())
+    assert ours(x, w).shape == theirs(x, w).shape
+    assert _calls_mhc_ops(ours) and not _calls_mhc_ops(theirs)

@@ -28,7 +28,7 @@ from mhc.mixing import (
     reduce_streams,
     stream_collapse,
 )
-from mhc.mixing_ops import mhc_pre_mix, mhc_seam, post_mix, pre_mix
+from mhc.ops.mixing import mhc_pre_mix, mhc_seam, post_mix, pre_mix
 from tests.conftest import KERNEL_DEVICE
 
 DEVICE = KERNEL_DEVICE
@@ -294,42 +294,6 @@ def test_loss_refuses_double_backward(backend):
 
 
 # ------------------------------------------------------------------------------ checkpoints, recorder, loss options
-
-
-@given(n=st.integers(2, 5), cut=st.integers(1, 3), data=st.data())
-def test_separate_parameters_of_the_wrong_shapes_are_refused(n, cut, data):
-    """The seven-parameter layout with parts whose sizes add up to the packed ones but do not
-    match them one by one."""
-    hc = HyperConnection(4, n)
-    b = torch.randn(2 * n + n * n)
-    wrong = data.draw(st.sampled_from(["pre-post", "post-res", "gates"]))
-    sizes = {
-        "pre-post": (n - cut if cut < n else 1, n + (cut if cut < n else n - 1), n * n),
-        "post-res": (n, n + cut, n * n - cut),
-        "gates": None,
-    }[wrong]
-    state = {"phi": hc.phi.detach().clone()}
-    if sizes is None:
-        b_pre, b_post, b_res = b.split([n, n, n * n])
-        state.update(
-            b_pre=b_pre,
-            b_post=b_post,
-            b_res=b_res.view(n, n),
-            a_pre=torch.zeros(2),
-            a_post=torch.zeros(1),
-            a_res=torch.zeros(0),
-        )
-    else:
-        b_pre, b_post, b_res = b.split(list(sizes))
-        state.update(
-            b_pre=b_pre, b_post=b_post, b_res=b_res, a_pre=torch.ones(1), a_post=torch.ones(1), a_res=torch.ones(1)
-        )
-    before = hc.bias.detach().clone() if wrong != "gates" else hc.alpha.detach().clone()
-    for strict in (True, False):
-        with pytest.raises(RuntimeError, match="size mismatch for (a_pre|b_pre|b_post|b_res)"):
-            hc.load_state_dict(state, strict=strict)
-    # the misaligned parts never land (the others load first, as load_state_dict does)
-    assert torch.equal(hc.bias if wrong != "gates" else hc.alpha, before)
 
 
 def test_nested_collect_h_res_blocks_both_record():

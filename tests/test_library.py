@@ -1,4 +1,4 @@
-"""How launchers become ops (``mhc._library``): ``triton_op`` where it can trace them, ``custom_op``
+"""How launchers become ops (``mhc.ops.library``): ``triton_op`` where it can trace them, ``custom_op``
 otherwise, and launches routed through ``torch.library.wrap_triton`` exactly while a ``triton_op``'s
 body runs. The compiled and exported graphs themselves are tested on the GPU
 (``tests/test_compiled_gpu.py``)."""
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from mhc import _library
 from mhc.kernels import _launch
+from mhc.ops import library as _library
 
 _names = itertools.count()
 
@@ -86,7 +86,7 @@ def test_which_registration_the_environment_picks(env, expected):
     the opaque ops, and otherwise ``triton_op`` wherever PyTorch has it; the package's ops are
     registered either way."""
     code = (
-        "import torch, mhc.mixing_ops, mhc.layer\nfrom mhc import _library\n"
+        "import torch, mhc.ops.mixing, mhc.layer\nfrom mhc.ops import library as _library\n"
         "assert hasattr(torch.ops.mhc, 'stream_mix_fwd') and hasattr(torch.ops.mhc, 'sinkhorn_fwd')\n"
         "print(_library.TRITON_OP)"
     )

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from mhc import mixing_ops
 from mhc.mixing import HyperConnection, collect_h_res
+from mhc.ops import mixing as mixing_ops
 from tests.conftest import COMPILE_BACKEND, HAS_CUDA, KERNEL_DEVICE
 from tests.site_stack import through_sites
 from tests.test_mixing_fused import Branch

@@ -18,7 +18,6 @@ from mhc import kernels
 from mhc.kernels import mhc_coefficients
 from mhc.kernels._launch import forget_launch_plans
 from mhc.mixing import (
-    MAX_FUSED_STREAMS,
     MAX_STREAMS,
     HyperConnection,
     LaneMixer,
@@ -163,7 +162,7 @@ def test_k_splits_cover_the_columns_once(tokens, K, block_t, block_k, waves):
 def test_more_streams_than_the_kernels_take():
     with pytest.raises(ValueError, match="n <= 16"):
         HyperConnection(4, MAX_STREAMS + 1, Branch(4), backend="triton")(torch.zeros(2, 17, 4))
-    assert kernels.MAX_STREAMS == MAX_STREAMS == MAX_FUSED_STREAMS
+    assert kernels.MAX_STREAMS == MAX_STREAMS
 
 
 def test_empty_batch():

@@ -14,8 +14,8 @@ HOMES = {
         "expand_streams",
         "reduce_streams",
     ],
-    "mhc.recompute": ["recompute_streams"],
-    "mhc.checkpoint": ["checkpoint_layers", "checkpoint_policy"],
+    "mhc.memory.recompute": ["recompute_streams"],
+    "mhc.memory.checkpoint": ["checkpoint_layers", "checkpoint_policy"],
     "mhc.losses": ["LinearCrossEntropy", "linear_cross_entropy"],
 }
 

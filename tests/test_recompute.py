@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mhc.memory.recompute import StreamRecompute, optimal_block, recompute_streams
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
-from mhc.recompute import StreamRecompute, optimal_block, recompute_streams
-from mhc.sites import reference_post_mix
+from mhc.modules.site import KEEP_STREAMS
+from mhc.reference import post_mix as reference_post_mix
 from tests.conftest import COMPILE_BACKEND, KERNEL_DEVICE
 
 BACKENDS = ["torch", "triton"]
@@ -399,7 +400,7 @@ def test_turning_it_off_and_on_again():
     setting = recompute_streams(model, 2)
     assert isinstance(setting, StreamRecompute) and len(model._mhc_recompute_hooks) == 2
     assert recompute_streams(model, 1) is None
-    assert all(site._recompute is None for site in model.sites)
+    assert all(site._recompute is KEEP_STREAMS for site in model.sites)
     assert not model._forward_pre_hooks and not model._forward_hooks
     recompute_streams(model, 3)
     recompute_streams(model, 2)  # again: the hooks are replaced, not added

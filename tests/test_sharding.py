@@ -1,5 +1,5 @@
 """The registered ``mhc`` ops, the fused Functions and the functional ``sinkhorn`` on ``DTensor``
-arguments (``mhc._sharding``): tokens sharded over a 2-rank mesh or replicated, parameters
+arguments (``mhc.ops.sharding``): tokens sharded over a 2-rank mesh or replicated, parameters
 replicated.
 
 One process joins a fake 2-rank process group: nothing moves between ranks, the test holds rank
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhc._library import REGISTERED
 from mhc.layer import sinkhorn
-from mhc.mixing_ops import MHCPreMixFunction, PostMixFunction
+from mhc.ops.library import REGISTERED
+from mhc.ops.mixing import MHCPreMixFunction, PostMixFunction
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -287,7 +287,7 @@ def test_functional_mixes_run_on_token_shards(mesh):
     coefficients, forward and backward: no collective, each rank's tokens as on their own."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from mhc.mixing_ops import post_mix, pre_mix
+    from mhc.ops.mixing import post_mix, pre_mix
 
     g = torch.Generator().manual_seed(4)
     x, y, grad = randn(T, N, D, g=g), randn(T, D, g=g), randn(T, N, D, g=g)
@@ -319,7 +319,7 @@ def test_local_parameters_of_a_sequence_parallel_module(mesh, create_graph, pres
     autograd differentiates again."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    from mhc._local import local_parameters
+    from mhc.ops.local import local_parameters
 
     g = torch.Generator().manual_seed(5)
     values = [randn(N * D, M, g=g), randn(3, g=g), randn(M, g=g)]

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import mhc.kernels
 from mhc import reference
-from mhc.layer import MAX_EPS_N, sinkhorn
+from mhc._checks import MAX_EPS_N
+from mhc.layer import sinkhorn
 from tests.conftest import KERNEL_DEVICE
 from tests.test_sinkhorn import random_logits
 

@@ -148,10 +148,10 @@ def test_install_wraps_once_and_can_be_turned_off(monkeypatch):
     original = getattr(module, name)
     original = getattr(original, "mhc_uncached", original)
     monkeypatch.setattr(module, name, original)
-    monkeypatch.setenv("MHC_WRITE_ANALYSIS_CACHE", "0")
+    monkeypatch.setattr(_write_analysis, "ENABLED", False)
     _write_analysis.install()
     assert not _write_analysis.installed() and getattr(module, name) is original
-    monkeypatch.delenv("MHC_WRITE_ANALYSIS_CACHE")
+    monkeypatch.setattr(_write_analysis, "ENABLED", True)
     _write_analysis.install()
     _write_analysis.install()
     assert _write_analysis.installed()
@@ -160,9 +160,8 @@ def test_install_wraps_once_and_can_be_turned_off(monkeypatch):
 
 def _trace(cache: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MHC_WRITE_ANALYSIS_CACHE"] = "1" if cache else "0"
     run = subprocess.run(
-        [sys.executable, "-m", "tests.write_analysis_trace", "3"],
+        [sys.executable, "-m", "tests.write_analysis_trace", "3"] + ([] if cache else ["--uncached"]),
         cwd=ROOT,
         env=env,
         capture_output=True,

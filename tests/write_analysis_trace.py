@@ -38,8 +38,8 @@ class HopperDriver:
 driver.set_active(HopperDriver())
 
 import mhc.kernels  # noqa: E402
-from mhc import _library  # noqa: E402
 from mhc._compat import write_analysis as _write_analysis  # noqa: E402
+from mhc.ops import library as _library  # noqa: E402
 from tests.site_stack import SiteStack  # noqa: E402
 
 mhc.kernels.check_device = lambda x: None  # CPU tensors stand in for CUDA ones: nothing launches
@@ -66,6 +66,9 @@ def _answer(result) -> list:
 
 def main():
     sites, chain = int(sys.argv[1]), "--chain" in sys.argv
+    _write_analysis.ENABLED = "--uncached" not in sys.argv
+    _write_analysis.install()  # before the recorder below wraps the analysis (else the first trace)
+    _library._traced = True  # and not again over the recorder at the first trace
     model = SiteStack(DIM, N, [nn.Linear(DIM, DIM) for _ in range(sites)], chain, backend="triton")
     name = next(n for n in ("identify_accessed_tensors", "identify_mutated_tensors") if hasattr(triton_kernel_wrap, n))
     analysis = getattr(triton_kernel_wrap, name)

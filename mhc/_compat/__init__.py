@@ -18,16 +18,16 @@ Activation checkpointing under ``torch.compile`` (PyTorch < 2.12): Dynamo turns 
 region into a ``tag_activation_checkpoint`` graph whose nodes it tags "recompute"; the
 partitioner then recomputes them in the backward instead of saving them. An ``autograd.Function``
 in the region is one ``autograd_function_apply`` node there, and its forward's ops live in a
-subgraph that the tagging never visits. When AOTAutograd inlines that subgraph the ops carry no
-tag, so the partitioner saves what they make, and checkpointing saves nothing for them: for an mHC
-model every site's streams, branch input and coefficients. PyTorch fixed this in
-pytorch/pytorch#177396 by tagging every op through a dispatch mode.
-:func:`backport_checkpoint_tags` gives older versions the same result: the subgraph of every
-``autograd.Function`` inside a checkpointed region gets its region's tags. Versions with the fix no
-longer have the hook it wraps (``TagActivationCheckpoint.tag_nodes``), and nothing is changed there;
-``MHC_CHECKPOINT_TAGS=0`` leaves PyTorch as it is. The same hook marks the op that makes a region's
-output ``MUST_SAVE`` (:func:`save_function_outputs`), which :func:`marked_must_save` lets a
-selective checkpointing policy honour.
+subgraph that the tagging never visits, so checkpointing saves what they make: for an mHC model
+every site's streams, branch input and coefficients. PyTorch fixed this in pytorch/pytorch#177396
+by tagging every op through a dispatch mode. :func:`backport_checkpoint_tags` gives older versions
+the same result for ``mhc``'s own Functions only: the subgraphs that call ``mhc::`` ops get their
+region's tags, every other Function keeps PyTorch's behaviour. It is installed the first time
+``torch.compile`` traces an ``mhc`` op (:mod:`mhc.ops.library`), never at import; versions with
+the fix no longer have the hook it wraps (``TagActivationCheckpoint.tag_nodes``), and nothing is
+changed there. The same hook marks the op that makes a region's output ``MUST_SAVE``
+(:func:`save_function_outputs`), which :func:`marked_must_save` lets a selective checkpointing
+policy honour.
 
 Dispatch modes: :func:`dispatch_mode_active` tells the fused layers to call their kernels through
 the registered ops, which a ``TorchDispatchMode`` sees.
@@ -36,19 +36,39 @@ the registered ops, which a ``TorchDispatchMode`` sees.
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["backport_checkpoint_tags", "dispatch_mode_active", "transforms_active", "is_plain", "through_ops",
-           "without_values",
-           "marked_must_save",
-           "top_saved_tensor_hooks", "in_backward", "materialized", "after_backward", "backward_task",
-           "unsharded_dtensor"]  # fmt: skip
+__all__ = [
+    "backport_checkpoint_tags",
+    "is_dtensor",
+    "dispatch_mode_active",
+    "transforms_active",
+    "is_plain",
+    "through_ops",
+    "without_values",
+    "marked_must_save",
+    "top_saved_tensor_hooks",
+    "in_backward",
+    "materialized",
+    "after_backward",
+    "backward_task",
+    "unsharded_dtensor",
+]
 
 
 _TAGS = ("ac_graph_id", "recompute")
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor as _DTensor
+else:
+    _DTensor = None
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a ``DTensor`` (``False`` where ``torch.distributed`` is not built)."""
+    return type(x) is not torch.Tensor and _DTensor is not None and isinstance(x, _DTensor)
 
 
 def dispatch_mode_active() -> bool:
@@ -171,8 +191,6 @@ def backport_checkpoint_tags() -> bool:
     global _installed
     if _installed:
         return True
-    if os.environ.get("MHC_CHECKPOINT_TAGS", "1") == "0":
-        return False
     try:
         from torch._higher_order_ops.wrap import TagActivationCheckpoint
     except ImportError:
@@ -194,16 +212,27 @@ def backport_checkpoint_tags() -> bool:
 
 def tag_function_bodies(gmod: torch.fx.GraphModule) -> None:
     """Copy each ``autograd_function_apply`` node's checkpoint tags onto the nodes of its forward
-    subgraph (and of the subgraphs nested in it)."""
+    subgraph (and of the subgraphs nested in it), for the Functions that call ``mhc::`` ops."""
     for node in gmod.graph.nodes:
         body = _forward_body(gmod, node)
-        if body is None:
+        if body is None or not _calls_mhc_ops(body):
             continue
         tags = {key: node.meta[key] for key in _TAGS if key in node.meta}
         for inner in body.graph.nodes:
             if inner.op in ("call_function", "call_method", "call_module"):
                 inner.meta.update(tags)
         tag_function_bodies(body)
+
+
+def _calls_mhc_ops(gmod: torch.fx.GraphModule) -> bool:
+    """Whether ``gmod`` (or a subgraph it holds) calls an op of the ``mhc`` namespace."""
+    for node in gmod.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("mhc."):
+            return True
+        if node.op == "get_attr" and isinstance(sub := getattr(gmod, node.target, None), torch.fx.GraphModule):
+            if _calls_mhc_ops(sub):
+                return True
+    return False
 
 
 def save_function_outputs(gmod: torch.fx.GraphModule) -> None:
@@ -221,7 +250,7 @@ def save_function_outputs(gmod: torch.fx.GraphModule) -> None:
         if value.op == "call_function" and value.target is operator.getitem:
             function, index = value.args
         body = _forward_body(gmod, function) if isinstance(index, int) else None
-        if body is None:
+        if body is None or not _calls_mhc_ops(body):
             continue
         body_output = next(n for n in body.graph.nodes if n.op == "output")
         outputs = body_output.args[0][0]  # a Function's body returns ((outputs...), (saved...))

@@ -12,14 +12,15 @@ The answer depends only on the kernel and on what the TTIR generation sees of th
 fake tensor or Inductor buffer becomes a two-element tensor of its dtype, a symbolic value becomes
 2, anything else is passed as it is. :func:`install` wraps PyTorch's analysis with a cache keyed on
 exactly that, for mhc's kernels only: other kernels, calls with TMA descriptors and arguments that
-cannot be keyed go straight through. ``MHC_WRITE_ANALYSIS_CACHE=0`` leaves PyTorch's alone.
+cannot be keyed go straight through. It is installed the first time ``torch.compile`` traces an
+``mhc`` op (:mod:`mhc.ops.library`), never at import; ``ENABLED = False`` (tests) leaves
+PyTorch's analysis alone.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import torch
 
@@ -29,6 +30,7 @@ __all__ = ["install", "installed"]
 _ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 
 _CACHE: dict = {}
+ENABLED = True  # False: install() leaves PyTorch's analysis as it is (comparisons in the tests)
 
 
 def _jit_function(kernel):
@@ -118,10 +120,10 @@ def _module():
 
 def install() -> None:
     """Wrap PyTorch's write analysis with the cache (once; nothing where PyTorch has neither
-    analysis or ``MHC_WRITE_ANALYSIS_CACHE=0``). Its callers look it up in its module at each
-    call, so replacing the module's attribute reaches them all."""
+    analysis, or without :data:`ENABLED`). Its callers look it up in its module at each call, so
+    replacing the module's attribute reaches them all."""
     module = _module()
-    if module is None or installed() or os.environ.get("MHC_WRITE_ANALYSIS_CACHE", "1") == "0":
+    if module is None or not ENABLED or installed():
         return
     for name in _ANALYSES:
         analysis = getattr(module, name, None)

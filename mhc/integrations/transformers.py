@@ -5,7 +5,7 @@ streams, an unfused RMS norm and projection, 40 normalisation steps kept for aut
 post-mix as a broadcast multiply plus a ``matmul``. :func:`patch_deepseek_v4` swaps the classes of
 the model's mHC modules for subclasses whose ``forward`` runs ``mhc`` instead:
 
-- ``DeepseekV4HyperConnection`` (``attn_hc``, ``ffn_hc``) becomes an :class:`mhc.sites.Site` whose
+- ``DeepseekV4HyperConnection`` (``attn_hc``, ``ffn_hc``) becomes an :class:`mhc.modules.site.Site` whose
   parameters are V4's own ``fn``, ``base`` and ``scale`` read in ``mhc``'s layout (the ``comb``
   block transposed: V4 applies ``comb`` transposed), with V4's ``hc_eps`` placement
   (``HyperConnection(hc_eps=...)``);
@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 from mhc._checks import BACKENDS, MAX_EPS_N, MAX_STREAMS
-from mhc.coefficients import DYNAMIC_MHC
-from mhc.mixing import stream_collapse
-from mhc.recompute import recompute_streams
-from mhc.sites import Site
+from mhc.memory.recompute import recompute_streams
+from mhc.modules.coefficients import DYNAMIC_MHC
+from mhc.modules.site import Site
+from mhc.modules.streams import stream_collapse
 
 __all__ = ["patch_deepseek_v4"]
 
@@ -139,7 +139,7 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
         backend: ``"auto"`` (fused Triton kernels for CUDA tensors, the PyTorch reference
             otherwise), ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"``.
         recompute: rebuild the streams in the backward instead of saving them at every site
-            (:func:`mhc.recompute.recompute_streams`): ``True`` with the paper's block length,
+            (:func:`mhc.memory.recompute.recompute_streams`): ``True`` with the paper's block length,
             an int for that block length, ``False`` (or 1) to save them at every site.
 
     After patching, transformers' ``DeepseekV4HyperConnection.forward``,

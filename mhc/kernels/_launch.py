@@ -24,9 +24,8 @@ would have picked. A miss goes through ``kernel[grid]`` (which compiles or finds
 stores what it returns.
 
 Under ``TRITON_INTERPRET=1`` there is no compiled kernel: every launch is ``kernel[grid]``.
-``MHC_FAST_LAUNCH=0`` does the same on a GPU (for comparison and debugging).
 
-Inside a ``torch.library.triton_op``'s body (``mhc._library`` runs it under
+Inside a ``torch.library.triton_op``'s body (``mhc.ops.library`` runs it under
 :func:`traced_launches`) a launch goes through ``torch.library.wrap_triton``, so that
 ``torch.compile`` and ``torch.export`` see the kernel.
 """
@@ -42,7 +41,7 @@ import triton
 from mhc.kernels import _compat
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FAST = not INTERPRET and os.environ.get("MHC_FAST_LAUNCH", "1") != "0" and _compat.FAST_LAUNCH_SUPPORTED
+FAST = not INTERPRET and _compat.FAST_LAUNCH_SUPPORTED
 
 _Tensor = torch.Tensor
 

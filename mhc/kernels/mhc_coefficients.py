@@ -658,7 +658,7 @@ def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float 
 
 def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
     """:func:`coefficients_fwd` without the argument checks (host time per launch), for callers
-    whose arguments are right by construction (:mod:`mhc.mixing_ops`' Functions)."""
+    whose arguments are right by construction (:mod:`mhc.ops.mixing`' Functions)."""
     *lead, n, d = x.shape
     n, d, T = static(n), static(d), math.prod(lead)
     x = x.contiguous()

@@ -529,7 +529,7 @@ def stream_mix_fwd(
 
 def stream_mix_fwd_unchecked(x, w, y=None, b=None):
     """:func:`stream_mix_fwd` without the argument checks (host time per launch), for callers whose
-    arguments are right by construction (:mod:`mhc.mixing_ops`' Functions); layouts still copied."""
+    arguments are right by construction (:mod:`mhc.ops.mixing`' Functions); layouts still copied."""
     *lead, n, d = x.shape
     n, d, T, n_out = static(n), static(d), math.prod(lead), static(w.shape[1])
     x = x.contiguous()

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc._compat import unsharded_dtensor
-from mhc._sharding import is_dtensor
+from mhc._compat import is_dtensor, unsharded_dtensor
 
 __all__ = ["assign", "local_parameters"]
 

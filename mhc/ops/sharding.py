@@ -21,17 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from mhc._compat import is_dtensor
+
 __all__ = ["register_rules", "is_dtensor", "on_local_shards"]
-
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor as _DTensor
-else:
-    _DTensor = None
-
-
-def is_dtensor(x) -> bool:
-    return type(x) is not torch.Tensor and _DTensor is not None and isinstance(x, _DTensor)
 
 
 def on_local_shards(fn, x, block_dims: int):
@@ -86,7 +78,7 @@ def _one_output(*args):
 
 
 def _stream_recompute(x, h_res, y, h_post, after):
-    # after: the backward's one-element anchor, not per token (mhc.mixing_ops)
+    # after: the backward's one-element anchor, not per token (mhc.ops.mixing)
     return _strategies((x, h_res, y, h_post, after), outputs=1, replicated=(4,))
 
 

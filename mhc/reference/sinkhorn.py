@@ -132,17 +132,26 @@ def sinkhorn_divisors(logits: torch.Tensor, iters: int, eps: float = 0.0, dims: 
         m = m / first_row
     else:
         m, first_row = _first_iteration_at(logits, r, c), None
-    col_sums, row_sums = [], []
-    for _ in range(iters - 1):
-        col = m.sum(dim=r, keepdim=True) + eps if eps > 0 else m.sum(dim=r, keepdim=True)
-        m = m / col
-        row = m.sum(dim=c, keepdim=True) + eps if eps > 0 else m.sum(dim=c, keepdim=True)
-        m = m / row
-        col_sums.append(col)
-        row_sums.append(row)
-    empty = logits.new_empty((0,))
-    return (m, first_row, torch.stack(col_sums) if col_sums else empty,
-            torch.stack(row_sums) if row_sums else empty)  # fmt: skip
+    if iters == 1:
+        empty = logits.new_empty((0,))
+        return m, first_row, empty, empty
+    # in place, into preallocated divisors: the same ops in the same order, without an allocation
+    # per step (each op here is small; on a CPU the allocations cost as much as the arithmetic)
+    cols = m.new_empty((iters - 1, *_kept_dim(m.shape, r)))
+    rows = m.new_empty((iters - 1, *_kept_dim(m.shape, c)))
+    for i in range(iters - 1):
+        for divisors, dim in ((cols, r), (rows, c)):
+            divisor = torch.sum(m, dim=dim, keepdim=True, out=divisors[i])
+            if eps > 0:
+                divisor.add_(eps)
+            m.div_(divisor)
+    return m, first_row, cols, rows
+
+
+def _kept_dim(shape, dim: int) -> tuple:
+    shape = list(shape)
+    shape[dim] = 1
+    return tuple(shape)
 
 
 def _divided_backward(grad: torch.Tensor, after: torch.Tensor, divisor: torch.Tensor, dim: int):
@@ -156,10 +165,12 @@ def sinkhorn_exact_backward(logits, out, first_row, cols, rows, grad_out, eps: f
     (same ``dims``): each step's iterate is rebuilt from the next one (``before = after * divisor``,
     within a few roundings), the first (softmax) step from ``logits`` itself."""
     r, c = dims
-    grad, m = grad_out, out
+    grad, m = grad_out.clone(), out.clone()  # updated in place below (as the forward)
+    product = torch.empty_like(m)
     for i in range(cols.shape[0] - 1, -1, -1):
-        grad, m = _divided_backward(grad, m, rows[i], c)
-        grad, m = _divided_backward(grad, m, cols[i], r)
+        for divisor, dim in ((rows[i], c), (cols[i], r)):
+            grad.sub_(torch.mul(grad, m, out=product).sum(dim=dim, keepdim=True)).div_(divisor)
+            m.mul_(divisor)
     p = torch.softmax(logits, dim=r)  # the first (column) softmax
     if eps > 0:
         grad, _ = _divided_backward(grad, m, first_row, c)

@@ -20,9 +20,13 @@ While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), the ke
 have. Outside the ops (eager mode)
 nothing changes.
 
-Registering the first ``triton_op`` also installs :mod:`mhc._compat.write_analysis`: PyTorch analyses
-which arguments a traced kernel writes once per kernel specialization instead of several times per
-call, which would otherwise dominate the compile time of a model with many sites.
+The first trace of an op (its fake implementation, or a ``triton_op``'s body) installs the two
+wrappers of PyTorch internals that act on ``mhc``'s graph pieces only (never at import,
+``docs/architecture.md``): :mod:`mhc._compat.write_analysis` (PyTorch analyses which arguments a
+traced kernel writes once per kernel specialization instead of several times per call, which would
+otherwise dominate the compile time of a model with many sites) and
+:func:`mhc._compat.backport_checkpoint_tags` (checkpointed regions under ``torch.compile`` on
+PyTorch < 2.12).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from mhc import _compat
 from mhc._compat import write_analysis as _write_analysis
 
-__all__ = ["TRITON_OP", "REGISTERED", "kernel_op"]
+__all__ = ["TRITON_OP", "REGISTERED", "kernel_op", "kernels"]
 
 TRITON_OP = (
     hasattr(torch.library, "triton_op")
@@ -47,7 +51,23 @@ TRITON_OP = (
 
 REGISTERED: list[str] = []  # the names of the ops registered so far ("mhc::...")
 
-_compat.backport_checkpoint_tags()  # the sites' Functions inside checkpointed regions, compiled
+_traced = False
+
+
+def _first_trace() -> None:
+    """Install the wrappers that only a traced graph needs, once (module docstring)."""
+    global _traced
+    if not _traced:
+        _traced = True
+        _write_analysis.install()
+        _compat.backport_checkpoint_tags()
+
+
+def kernels():
+    """:mod:`mhc.kernels`, imported on first use: CPU-only users of the reference never need Triton."""
+    import mhc.kernels
+
+    return mhc.kernels
 
 
 def kernel_op(name: str, fake, opaque: bool = False):
@@ -63,15 +83,20 @@ def kernel_op(name: str, fake, opaque: bool = False):
         REGISTERED.append(name)
         if opaque or not TRITON_OP:
             op = torch.library.custom_op(name, fn, mutates_args=())
-            op.register_fake(fake)
-            return op
 
-        _write_analysis.install()
+            @functools.wraps(fake)
+            def traced(*args):
+                _first_trace()
+                return fake(*args)
+
+            op.register_fake(traced)
+            return op
 
         @functools.wraps(fn)
         def body(*args):
             from mhc.kernels._launch import traced_launches  # the body runs only where Triton is
 
+            _first_trace()
             with traced_launches():
                 return fn(*args)
 

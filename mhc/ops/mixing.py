@@ -1,5 +1,5 @@
 """Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing and mHC coefficient
-kernels, their autograd Functions and the functionals that :mod:`mhc.sites` calls on the
+kernels, their autograd Functions and the functionals that :mod:`mhc.modules.site` calls on the
 ``"triton"`` path.
 
 Read top to bottom: ops (what ``torch.compile`` traces) -> Functions -> functionals.
@@ -24,9 +24,9 @@ import torch
 from mhc._autograd import refuse_double_backward
 from mhc._checks import MAX_STREAMS, check_settings
 from mhc._compat import materialized, through_ops
-from mhc._library import kernel_op
-from mhc.layer import _kernels, sinkhorn_bwd_launch
-from mhc.rebuild import steps_of
+from mhc.ops.library import kernel_op, kernels
+from mhc.ops.rebuild import steps_of
+from mhc.ops.sinkhorn import sinkhorn_bwd_launch
 
 __all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
 
@@ -59,7 +59,7 @@ def _stream_mix_fwd_fake(x, w, y, b):
 def _stream_mix_fwd_op(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, b: torch.Tensor | None
 ) -> torch.Tensor:
-    return _kernels().stream_mix.stream_mix_fwd_unchecked(x, w, y, b)
+    return kernels().stream_mix.stream_mix_fwd_unchecked(x, w, y, b)
 
 
 def _stream_mix_bwd_fake(x, w, y, b, grad_out, grad_x_acc, need_grad_x):
@@ -83,7 +83,7 @@ def _stream_mix_bwd_op(
     grad_x_acc: torch.Tensor | None,
     need_grad_x: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = _kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
+    outs = kernels().stream_mix.stream_mix_bwd_unchecked(x, w, y, b, grad_out, grad_x_acc, need_grad_x)
     return tuple(x.new_empty((0,)) if t is None else t for t in outs)
 
 
@@ -113,7 +113,7 @@ def _coefficients_fwd_op(
     eps: float,
     hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
+    return kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
 def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
@@ -137,7 +137,7 @@ def _coefficients_bwd_op(
     grad_x_acc: torch.Tensor | None,
     hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().mhc_coefficients.coefficients_bwd_packed(
+    return kernels().mhc_coefficients.coefficients_bwd_packed(
         x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
     )
 
@@ -151,7 +151,7 @@ def _stream_recompute_op(
     # op that depends on forward values only is moved to the forward by the partitioner, which
     # then saves its output (docs/recompute.md). Opaque, so that the identical rebuilds of a
     # block's Functions merge into one per step.
-    return _kernels().stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post)
+    return kernels().stream_mix.stream_mix_fwd_unchecked(x, h_res, y, h_post)
 
 
 def _stream_mix_bwd_compiled(*args):
@@ -176,7 +176,7 @@ def _launchers(x: torch.Tensor):
     if through_ops(x):
         return _OPS
     if _EAGER is None:
-        k = _kernels()  # the launches without the public launchers' argument checks (host time)
+        k = kernels()  # the launches without the public launchers' argument checks (host time)
         _EAGER = SimpleNamespace(
             stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked,
             stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
@@ -206,7 +206,7 @@ def _tokens_of(x: torch.Tensor, d: int) -> tuple:
     return (*x.shape[:-2], d)
 
 
-# Recompute mode (mhc.recompute): a Function that starts or post-mixes a site which is not the
+# Recompute mode (mhc.memory.recompute): a Function that starts or post-mixes a site which is not the
 # first of its block gets ``at`` (the backward's cache of its streams, or None under
 # torch.compile) and the flat ``recipe`` (the block's first streams and the post-mix steps since),
 # and saves the recipe instead of the streams; otherwise ``at`` is None and ``recipe`` empty.
@@ -512,18 +512,18 @@ class MHCSeamFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ functionals
-# The public entry points check their arguments; mhc.sites and mhc.coefficients, which build the
+# The public entry points check their arguments; mhc.modules.site and mhc.modules.coefficients, which build the
 # arguments themselves, call the Functions directly (host time per site).
 
 
 def _check_streams(x) -> None:
-    _kernels()._checks.check_streams(x, "x", MAX_STREAMS)
-    _kernels().check_device(x)
+    kernels()._checks.check_streams(x, "x", MAX_STREAMS)
+    kernels().check_device(x)
 
 
 def _check_tensor(t, what: str, shape: tuple, dtype, device) -> None:
     """``t``: a tensor of ``shape`` on ``x``'s ``device``, of ``dtype`` (or any float dtype for None)."""
-    checks = _kernels()._checks
+    checks = kernels()._checks
     checks.check_tensor(t, what, shape, checks.FLOATS if dtype is None else (dtype,), device, where="x")
 
 

@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhc._compat import after_backward, backward_task, unsharded_dtensor
-from mhc._sharding import is_dtensor
-from mhc.mixing import LaneMixer, StreamCollapse, StreamExpand
-from mhc.sites import Site
+from mhc._compat import after_backward, backward_task, is_dtensor, unsharded_dtensor
+from mhc.modules import LaneMixer, Site, StreamCollapse, StreamExpand
 
 __all__ = ["parallelize_sites", "reduce_gradients"]
 

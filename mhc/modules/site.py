@@ -5,7 +5,7 @@ streams into the branch input, ``finish(y)`` merges the branch output back into 
 :class:`Site` holds the part every site shares; :class:`mhc.mixing.HyperConnection` is the site
 users build, and :mod:`mhc.integrations` adapt other models' modules to it.
 
-Two paths, chosen per call by :func:`layer_backend`:
+Two paths, chosen per call by :func:`mhc.ops.path.choose`:
 
 - the reference path (``"torch"``): coefficients from ``site.source.reference`` and the mixes as
   ``einsum``; :class:`ReferenceFinish`;
@@ -15,37 +15,54 @@ Two paths, chosen per call by :func:`layer_backend`:
 ``finish(y, next=site_2)`` ends this site and starts the next one, returning ``site_2``'s
 ``(x_in, finish)``: the same values as ``site_2.split(finish(y))``. On the fused path, when the
 next site has dynamic mHC coefficients, the two steps run as one autograd op, the *seam*
-(:class:`mhc.mixing_ops.MHCSeamFunction`: one node and one set of saved tensors per boundary
+(:class:`mhc.ops.mixing.MHCSeamFunction`: one node and one set of saved tensors per boundary
 instead of two). Everywhere else ``next=`` composes the two steps.
 """
 
 from __future__ import annotations
 
 import torch
-from einops import einsum
 
-from mhc._checks import MAX_STREAMS, check_local, check_no_transform, check_same_device, check_streams_shape
-from mhc._compat import materialized, transforms_active
-from mhc._local import local_parameters
-from mhc.layer import _kernels
-from mhc.mixing_ops import MHCSeamFunction, PostMixFunction
-from mhc.rebuild import function_args, function_outputs, reference_scope
+from mhc import reference
+from mhc._checks import check_local, check_same_device, check_streams_shape
+from mhc._compat import materialized
+from mhc.ops.local import local_parameters
+from mhc.ops.mixing import MHCSeamFunction, PostMixFunction
+from mhc.ops.path import choose
+from mhc.ops.rebuild import function_args, function_outputs, reference_scope
 
-__all__ = ["Site", "ReferenceFinish", "FusedFinish", "layer_backend"]
+__all__ = ["Site", "ReferenceFinish", "FusedFinish", "KeepStreams", "KEEP_STREAMS"]
 
 
-def layer_backend(x: torch.Tensor, n: int, backend: str) -> str:
-    """The path of a whole mixing layer: ``"auto"`` is the fused kernels on CUDA for
-    ``n <= MAX_STREAMS`` and the PyTorch reference otherwise (and under ``torch.func`` transforms
-    or forward-mode AD, which the fused autograd Functions cannot run under)."""
-    if backend == "auto":
-        return "triton" if x.is_cuda and n <= MAX_STREAMS and not transforms_active() else "torch"
-    if backend == "triton":
-        if n > MAX_STREAMS:
-            raise ValueError(f"the fused mixing kernels take n <= {MAX_STREAMS} streams, got {n}; use backend='torch'")
-        check_no_transform("the fused path (backend='triton')")
-        _kernels().check_device(x)
-    return backend
+class KeepStreams:
+    """A site's default ``_recompute`` hook: every Function saves the streams it reads.
+
+    A memory strategy replaces it with an object that answers the same calls
+    (:class:`mhc.memory.recompute.StreamRecompute`): ``plan`` (how the site's Functions get
+    streams they do not save; ``None``: save them), ``begin`` / ``passes`` (the streams a site
+    read or passed on), ``continues`` and ``advance`` (a post-mix made new streams), ``next_at``
+    (where the backward caches the streams after a step)."""
+
+    def plan(self, x, path):
+        return None
+
+    def begin(self, x, path) -> None:
+        pass
+
+    def passes(self, x, x_pass) -> None:
+        pass
+
+    def continues(self, x) -> bool:
+        return False
+
+    def next_at(self):
+        return None
+
+    def advance(self, x, step, out, at, site=None) -> None:
+        pass
+
+
+KEEP_STREAMS = KeepStreams()
 
 
 def branch_output(out, shape, device):
@@ -68,24 +85,6 @@ def branch_output(out, shape, device):
     return out, rest
 
 
-def reference_pre_mix(x, h_pre):
-    """The reference pre-mix ``x_in = sum_s h_pre[s] x[s]`` in ``x``'s dtype."""
-    if x.dtype == torch.float32:
-        # a broadcast sum: einsum's batched matmul of m = 1 has a far slower backward on CPUs
-        return (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
-    # 16-bit streams: the matmul accumulates in fp32 and rounds once, not every product
-    return einsum(h_pre.to(x.dtype), x, "... s, ... s d -> ... d")
-
-
-def reference_post_mix(x, h_res, y, h_post):
-    """The reference post-mix ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y`` in ``x``'s dtype (also
-    the step that rebuilds streams on the reference path)."""
-    dtype = x.dtype
-    mixed = einsum(h_res.to(dtype), x, "... t s, ... s d -> ... t d")
-    # the outer product by broadcasting: einsum makes it a batched matmul of k = 1, far slower on CPUs
-    return mixed + h_post.to(dtype).unsqueeze(-1) * y.to(dtype).unsqueeze(-2)
-
-
 def _returned(rest, *values):
     """``finish``'s result: the values alone, or a tuple with the branch's extras after them."""
     if len(values) == 1 and not rest:
@@ -96,14 +95,21 @@ def _returned(rest, *values):
 class Site:
     """What every hyper-connection site shares: the checks, the choice of path and the recorder.
 
-    A subclass provides ``n_streams``, ``dim``, ``backend``, ``sinkhorn_iters``, ``backward``,
-    ``rms_eps``, ``hc_eps``, ``source`` (an :mod:`mhc.coefficients` source), ``_recorder``
-    (``None``, or the tuple of lists that the open :func:`mhc.mixing.collect_h_res` blocks set) and
-    :meth:`mixing_parameters`. ``_recompute`` is the model's :class:`mhc.rebuild.StreamRecompute`
-    (``None``: the site saves its streams), set by :func:`mhc.recompute.recompute_streams`.
+    A subclass (an ``nn.Module``) sets the attributes declared below and defines
+    :meth:`mixing_parameters`: :class:`mhc.modules.hyper_connection.HyperConnection` in its
+    ``__init__``, :func:`mhc.integrations.transformers.patch_deepseek_v4` from V4's config.
     """
 
-    _recompute = None
+    n_streams: int
+    dim: int
+    backend: str  # "auto", "triton" or "torch" (mhc.ops.path.choose)
+    sinkhorn_iters: int
+    backward: str  # the Sinkhorn backward, "exact" or "implicit"
+    rms_eps: float
+    hc_eps: float
+    source: object  # where the coefficients come from: a source of mhc.modules.coefficients
+    _recorder: tuple | None = None  # the lists of the open mhc.mixing.collect_h_res blocks
+    _recompute = KEEP_STREAMS  # the memory strategy's hook (mhc.memory.recompute)
     _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
 
     def mixing_parameters(self):
@@ -114,7 +120,7 @@ class Site:
 
     def compute_parameters(self):
         """:meth:`mixing_parameters` as the ops take them: the local tensors of a sequence-parallel
-        site's ``DTensor`` parameters (:mod:`mhc._local`), else the parameters themselves."""
+        site's ``DTensor`` parameters (:mod:`mhc.ops.local`), else the parameters themselves."""
         return local_parameters(self, self.mixing_parameters())
 
     def coefficients(self, x: torch.Tensor):
@@ -122,7 +128,11 @@ class Site:
         path for fp64 activations or parameters) for streams ``x [..., n, dim]``."""
         self._check_input(x)
         n, lead = self.n_streams, x.shape[:-2]
-        if self.source is not None and self.source.fused_coefficients and layer_backend(x, n, self.backend) == "triton":
+        if (
+            self.source is not None
+            and self.source.fused_coefficients
+            and choose(self.backend, x, "mixing", n) == "triton"
+        ):
             _, h_pre, h_post, h_res, _ = self.source.fused_start(self, x)
             return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
         return self.source.reference(self, x)
@@ -132,23 +142,22 @@ class Site:
 
         ``x_in, finish = site.split(x)``; ``x_in [..., dim]`` is the branch input; after computing
         ``y = branch(x_in)``, ``finish(y) [..., n, dim]`` is the site's output, and
-        ``finish(y, next=site_2)`` is ``site_2.split(finish(y))`` (see :mod:`mhc.sites`). If ``y``
+        ``finish(y, next=site_2)`` is ``site_2.split(finish(y))`` (see :mod:`mhc.modules.site`). If ``y``
         is a tuple (or list), its first element is mixed into the streams and the extras follow
         the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
         """
         self._check_input(x)
-        path = layer_backend(x, self.n_streams, self.backend)
+        path = choose(self.backend, x, "mixing", self.n_streams)
         schedule = self._recompute
-        plan = None if schedule is None else schedule.plan(x, path)
+        plan = schedule.plan(x, path)
         if path == "triton":
             x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x, plan, with_h_pre=False)
-            if schedule is not None:
-                schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
+            schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
-        with reference_scope(plan, x, reference_post_mix):
+        with reference_scope(plan, x, reference.post_mix):
             h_pre, h_post, h_res = self.source.reference(self, x)
-            x_in = reference_pre_mix(x, h_pre)
-        if schedule is not None and plan is None:
+            x_in = reference.pre_mix(x, h_pre)
+        if plan is None:
             schedule.begin(x, path)
         self._record(h_res)
         return x_in, ReferenceFinish(self, x, h_post, h_res, plan)
@@ -192,12 +201,11 @@ class ReferenceFinish:
         y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
         if next is not None:
             self.site._check_next(next)
-        with reference_scope(self.plan, x, reference_post_mix):
-            out = reference_post_mix(x, self.h_res, y, self.h_post)
+        with reference_scope(self.plan, x, reference.post_mix):
+            out = reference.post_mix(x, self.h_res, y, self.h_post)
         schedule = self.site._recompute
-        if schedule is not None:
-            last = self.site if next is None else None
-            schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
+        last = self.site if next is None else None
+        schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
         return _returned(rest, out) if next is None else _returned(rest, *next.split(out))
 
 
@@ -217,7 +225,7 @@ class FusedFinish:
         if next is None:
             return _returned(rest, self._post_mix(y, schedule))
         site._check_next(next)
-        if not (next.source.fused_coefficients and layer_backend(x, site.n_streams, next.backend) == "triton"):
+        if not (next.source.fused_coefficients and choose(next.backend, x, "mixing", site.n_streams) == "triton"):
             return _returned(rest, *next.split(self._post_mix(y, schedule, next)))
         args = (
             x,
@@ -231,25 +239,21 @@ class FusedFinish:
             next.hc_eps,
             False,
         )  # False: no h_pre (MHCPreMixFunction)
-        continues = schedule is not None and next._recompute is schedule and schedule.continues(x)
-        if schedule is None:
-            outputs, next_at = MHCSeamFunction.apply(*args), None
-        else:
-            outputs, next_at = self._seam_in_block(args, schedule, continues)
+        continues = next._recompute is schedule and schedule.continues(x)
+        outputs, next_at = self._seam(args, schedule, continues)
         x_in, _, h_post, h_res, x_pass = outputs
         plan = None
         if continues:
             schedule.advance(x, (self.h_res, y, self.h_post), x_pass, next_at)
             plan = schedule.plan(x_pass, "triton")
-        elif next._recompute is not None:
+        else:
             next._recompute.begin(x_pass, "triton")
         return _returned(rest, *next._fused_finish(x_in, h_post, h_res, x_pass, plan))
 
-    def _seam_in_block(self, args, schedule, continues):
-        """The seam in recompute mode: ``(outputs, next_at)``. Its ``x`` is rebuilt from the plan
-        (or saved: it starts the block); the next site's streams are saved when they start a block
-        and otherwise rebuilt from ``x``: cached at ``next_at`` in eager mode, linked under
-        torch.compile."""
+    def _seam(self, args, schedule, continues):
+        """The seam: ``(outputs, next_at)``. Its ``x`` is saved, or rebuilt from the plan; the next
+        site's streams are saved when they start a block (always without recompute) and otherwise
+        rebuilt from ``x``: cached at ``next_at`` in eager mode, linked under torch.compile."""
         next_at = schedule.next_at() if continues else None
         at, linked, link, *recipe = function_args(self.plan) or (None, False, None)
         if continues and self.plan is None and torch.compiler.is_compiling():
@@ -262,7 +266,6 @@ class FusedFinish:
     def _post_mix(self, y, schedule, next=None):
         outputs = PostMixFunction.apply(self.x_pass, y, self.h_post, self.h_res, *function_args(self.plan))
         out = function_outputs(self.plan, outputs, single=True)
-        if schedule is not None:
-            last = self.site if next is None else None  # a site chained to another is not the last
-            schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
+        last = self.site if next is None else None  # a site chained to another is not the last
+        schedule.advance(self.x_pass, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
         return out

@@ -1,20 +1,17 @@
-"""How a site's backward rebuilds the streams it did not save: the machinery behind
-:func:`mhc.recompute.recompute_streams` (arXiv 2512.24880, section 4.3).
+"""How an op's backward rebuilds the streams it did not save: the op-level half of
+:func:`mhc.memory.recompute_streams` (arXiv 2512.24880, section 4.3), whose
+:class:`~mhc.memory.recompute.StreamRecompute` decides which streams a site keeps.
 
-How the pieces fit:
-
-- :class:`StreamRecompute` (one per model) follows the forward: which streams tensor continues the
-  current block, its recipe, and where a new block starts. A site continues the block only if its
-  input *is* the tensor the previous site returned (anything done to the streams in between starts
-  a new block) and the block has room.
+- A :class:`Plan` is what a site's Functions get in place of streams: the block's first streams and
+  the post-mix steps since (:func:`function_args` turns it into the Functions' trailing arguments).
 - :class:`StreamsAt` (one per position of a block) caches the rebuilt streams in the backward: the
   first site to need position ``p`` (the block's last site runs its backward first) rebuilds
   positions ``1..p`` once; each position is freed when the Functions that read it are done. The
   transient is at most one block of streams, which is what the paper's ``L_r* = sqrt(n L / (n + 2))``
-  balances against the blocks' first streams (:func:`mhc.recompute.optimal_block`).
+  balances against the blocks' first streams (:func:`mhc.memory.recompute.optimal_block`).
 - Under ``torch.compile`` the Functions cannot share Python state in their backward: each one
   rebuilds its streams from the block's first ones, one ``mhc::stream_recompute`` op per step
-  (:mod:`mhc.mixing_ops`), all from one backward value that the block's Functions hand each other
+  (:mod:`mhc.ops.mixing`), all from one backward value that the block's Functions hand each other
   through *links*, so that the compiled graph's common-subexpression pass merges the repeats.
 - The reference path (``backend="torch"``) saves the streams inside PyTorch ops, so there the
   site's ops run under saved-tensor hooks (:func:`reference_scope`) that swap every saved tensor
@@ -28,10 +25,9 @@ import contextlib
 import torch
 
 from mhc._autocast import autocast_restored, autocast_state
-from mhc._compat import in_backward, top_saved_tensor_hooks
+from mhc._compat import top_saved_tensor_hooks
 
 __all__ = [
-    "StreamRecompute",
     "StreamsAt",
     "Plan",
     "reference_scope",
@@ -88,7 +84,7 @@ class Plan:
 
 
 def function_args(plan: Plan | None) -> tuple:
-    """The trailing arguments of a fused Function (:mod:`mhc.mixing_ops`): ``(at, linked, link,
+    """The trailing arguments of a fused Function (:mod:`mhc.ops.mixing`): ``(at, linked, link,
     *recipe)`` in recompute mode, none (the defaults: save the streams) without a plan."""
     if plan is None:
         return ()
@@ -108,108 +104,6 @@ def function_outputs(plan: Plan | None, outputs, single: bool = False):
 def steps_of(recipe) -> list:
     """The steps of a flat recipe (the inverse of :meth:`Plan.recipe` after ``start``)."""
     return [tuple(recipe[i : i + 3]) for i in range(1, len(recipe), 3)]
-
-
-def _under_checkpoint() -> bool:
-    """Whether ``torch.utils.checkpoint`` decides what this op saves (its forward, or its rerun in
-    the backward; the reentrant form reruns in a backward without hooks): the sites there keep
-    their streams, so that both runs save the same tensors and no block outlives the backward."""
-    if torch.compiler.is_compiling():
-        return False
-    if in_backward():
-        return True
-    hooks = top_saved_tensor_hooks()
-    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
-
-
-def _kept(t: torch.Tensor | None) -> torch.Tensor | None:
-    """What the setting keeps of a recipe tensor: under ``torch.compile`` a detached alias. The
-    setting outlives the compiled forward (the model's hooks clear it outside the compiled frame),
-    so every tensor it holds at the end becomes an output of the compiled graph, and one that
-    requires grad gets a gradient of zeros made at the start of the backward: a set of streams
-    per block start. The recipe needs no gradient (the Functions return none for it); eager mode
-    keeps the tensors themselves (the reference path's double backward goes through them)."""
-    return t.detach() if t is not None and torch.compiler.is_compiling() else t
-
-
-class StreamRecompute:
-    """The recompute setting of one model's sites and the block its forward is building.
-
-    ``every``: the block length ``L_r`` (sites per block; the first keeps its streams).
-    ``last_site``: the model's last site in module order, which no site follows (``None``: not
-    known). Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
-    """
-
-    def __init__(self, every: int, last_site=None):
-        self.every, self.last_site = every, last_site
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget the block being built (the model's forward hooks call this before and after
-        each forward, so that no tensor outlives the forward here)."""
-        self._start_block(None, None)
-
-    def plan(self, x: torch.Tensor, path: str) -> Plan | None:
-        """The plan of a site reading ``x`` on ``path`` (``"triton"`` or ``"torch"``): ``None`` when
-        ``x`` starts a block (the site saves it), else the recipe that rebuilds it."""
-        if not torch.is_grad_enabled() or _under_checkpoint():
-            self.streams = None  # a site that saves its streams breaks the chain
-            return None
-        if self._current(x) and path == self.path and len(self.steps) < self.every:
-            return Plan(self.start, tuple(self.steps), self.at, self, self.version)
-        return None
-
-    def _current(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is the streams the block's last step made, unchanged: the same tensor, not
-        modified in place since (its version counter; not readable under ``torch.compile``)."""
-        if x is not self.streams:
-            return False
-        return torch.compiler.is_compiling() or x._version == self.version
-
-    def begin(self, x: torch.Tensor, path: str) -> None:
-        """``x`` (as the site saved it) starts a block."""
-        if torch.is_grad_enabled() and not _under_checkpoint():
-            self._start_block(path, x)
-
-    def _start_block(self, path: str | None, x: torch.Tensor | None) -> None:
-        self.path, self.start, self.steps, self.streams, self.at, self.link = path, _kept(x), [], x, None, None
-        self.version = 0
-        if x is not None:
-            self._stamp(x)
-
-    def passes(self, x: torch.Tensor, x_pass: torch.Tensor) -> None:
-        """A site's Function read ``x`` and returned the same streams as ``x_pass``."""
-        if x is self.streams:
-            self.streams = x_pass
-            self._stamp(x_pass)
-
-    def continues(self, x: torch.Tensor) -> bool:
-        """Whether the streams after a post-mix of ``x`` stay in this block."""
-        return self._current(x) and len(self.steps) + 1 < self.every
-
-    def _stamp(self, x: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling():
-            self.version = x._version
-
-    def next_at(self) -> StreamsAt | None:
-        """The cache of the position after the next step (``None`` under ``torch.compile``)."""
-        return None if torch.compiler.is_compiling() else StreamsAt(self.at)
-
-    def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None, site=None) -> None:
-        """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
-        ``out``'s position; ``site``: the site whose post-mix it was, if no site is chained to it.
-
-        ``out`` is kept for the next site's identity check unless nothing can continue from it: the
-        block is full, or ``site`` is the model's last. Under ``torch.compile`` a tensor kept at
-        the end of the forward leaves the compiled graph as an output and gets a gradient of zeros,
-        a set of streams, made at the start of the backward."""
-        if not self._current(x):
-            self.streams = None
-            return
-        self.steps.append(tuple(_kept(t) for t in step))
-        ends = len(self.steps) >= self.every or (site is not None and site is self.last_site)
-        self.streams, self.at = (None if ends else out), at
-        self._stamp(out)
 
 
 # ------------------------------------------------------------------------------ reference path

@@ -1,6 +1,6 @@
 """Where a hyper-connection site's coefficients come from.
 
-One source per kind of layer, each a small stateless object that :class:`mhc.sites.Site` holds
+One source per kind of layer, each a small stateless object that :class:`mhc.modules.site.Site` holds
 as ``site.source``:
 
 - :data:`DYNAMIC_MHC`: per-token mHC coefficients (arXiv 2512.24880, Eq. 7-9 in the kernel form of
@@ -13,7 +13,7 @@ as ``site.source``:
 Each source computes the coefficients with PyTorch ops (:meth:`reference`, the reference path and
 the oracle of the tests) and starts a site on the fused path (:meth:`fused_start`: the branch
 input, the coefficients per flattened token and the streams to pass on). Only dynamic mHC has
-fused coefficient kernels (and so a fused seam, :mod:`mhc.sites`); the other sources feed
+fused coefficient kernels (and so a fused seam, :mod:`mhc.modules.site`); the other sources feed
 PyTorch coefficients to the fused mixing kernels.
 
 Axis legend (einops): ``...`` leading dims, ``s`` source stream, ``t`` target stream, ``d`` channels.
@@ -28,39 +28,19 @@ import math
 import torch
 from einops import rearrange
 
-from mhc.layer import sinkhorn
-from mhc.mixing_ops import MHCPreMixFunction, PreMixFunction, fused_mix
-from mhc.rebuild import function_args, function_outputs, note_conversion, reference_scope
+from mhc.ops.mixing import MHCPreMixFunction, PreMixFunction, fused_mix
+from mhc.ops.rebuild import function_args, function_outputs, note_conversion, reference_scope
+from mhc.ops.sinkhorn import sinkhorn
+from mhc.reference.site import biases, coefficient_dtype, gates, rms_inverse
 
 __all__ = ["DYNAMIC_MHC", "DYNAMIC_HC", "STATIC_MHC", "STATIC_HC", "source_for"]
 
 
-def coefficient_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 when any of ``tensors`` is fp64."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def rms_inverse(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / RMS(v)`` over the last dim, ``[..., 1]``; applied after the projection (paper Eq. 10-19)."""
-    return torch.rsqrt(v.square().mean(dim=-1, keepdim=True) + eps)
-
-
 def as_coefficient_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, known to recompute mode as the streams' copy (:func:`mhc.rebuild.note_conversion`)."""
+    """``x.to(dtype)``, known to recompute mode as the streams' copy (:func:`mhc.ops.rebuild.note_conversion`)."""
     converted = x.to(dtype)
     note_conversion(x, converted)
     return converted
-
-
-def gates(alpha: torch.Tensor):
-    """``(a_pre, a_post, a_res)``: the entries of ``alpha [3]`` (0-d views)."""
-    return alpha.unbind()
-
-
-def biases(bias: torch.Tensor, n: int):
-    """``(b_pre [n], b_post [n], b_res [n, n])``: views of ``bias [2n + n*n]``."""
-    b_pre, b_post, b_res = bias.split_with_sizes([n, n, n * n])
-    return b_pre, b_post, b_res.view(n, n)
 
 
 class DynamicMHC:
@@ -95,7 +75,7 @@ class DynamicMHC:
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
-        (:class:`mhc.mixing_ops.MHCPreMixFunction`). The other sources return it either way."""
+        (:class:`mhc.ops.mixing.MHCPreMixFunction`). The other sources return it either way."""
         outputs = MHCPreMixFunction.apply(
             x,
             *self.fused_parameters(site),
