@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def records(path):
 
 
 def final_params(path):
-    return torch.load(path, weights_only=False)["model"]
+    return torch.load(path, weights_only=True)["model"]
 
 
 def test_compare_quick_path_learns_and_writes_everything(tmp_path):
@@ -117,7 +118,7 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
         toy.main(common + ["--out-dir", str(tmp_path / "resumed")])
     monkeypatch.setattr(toy, "batch_for_step", batch_for_step)
     # the resume starts from this checkpoint, not from scratch (which would also end equal)
-    assert torch.load(tmp_path / "resumed/mhc_seed0.pt", weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "resumed/mhc_seed0.pt", weights_only=True)["step"] == 4
     toy.main(common + ["--out-dir", str(tmp_path / "resumed"), "--resume"])
     straight, resumed = (
         final_params(tmp_path / "straight/mhc_seed0.pt"),
@@ -127,6 +128,22 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
         assert torch.equal(straight[key], resumed[key]), key
     steps = [r["step"] for r in records(tmp_path / "resumed/mhc_seed0.jsonl")]
     assert steps == [2, 4, 6, 8]  # the records logged after the checkpoint were replaced, not doubled
+
+
+class _Payload:
+    """Stands in for code a checkpoint could carry: unpickling it would import and call this."""
+
+    def __reduce__(self):
+        return (print, ("ran code from the checkpoint",))
+
+
+def test_resume_refuses_a_checkpoint_that_carries_code(tmp_path):
+    common = ["--residual", "mhc", "--steps", "4", "--eval-every", "4", "--checkpoint-every", "4"] + TINY
+    toy.main(common + ["--out-dir", str(tmp_path)])
+    state = torch.load(tmp_path / "mhc_seed0.pt", weights_only=True)  # state dicts only: loads
+    torch.save({**state, "extra": _Payload()}, tmp_path / "mhc_seed0.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        toy.main(common + ["--out-dir", str(tmp_path), "--resume"])
 
 
 def test_fused_loss_matches_torch_loss(tmp_path):
