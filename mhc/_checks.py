@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from mhc._compat import is_dtensor, transforms_active
+from mhc._compat import transforms_active
 
 BACKWARDS = ("exact", "implicit")
 BACKENDS = ("auto", "triton", "torch")
@@ -55,17 +55,6 @@ def check_streams_shape(x: torch.Tensor, n: int, dim: int | None, what: str) -> 
     if x.dim() < 2 or x.shape[-2] != n or (dim is not None and x.shape[-1] != dim):
         want = f"[..., {n}, {dim if dim is not None else 'dim'}]"
         raise ValueError(f"{what} must have shape {want}, got {tuple(x.shape)}")
-
-
-def check_local(x: torch.Tensor, module) -> None:
-    """``DTensor`` inputs reach an ``mhc`` module's forward only as local shards, through
-    :func:`mhc.distributed.parallelize_sites` (which also makes its parameters ``DTensor``\\ s)."""
-    if is_dtensor(x):
-        name = type(module).__name__
-        raise TypeError(
-            f"{name} got a DTensor input but its parameters are plain tensors: call "
-            f"mhc.distributed.parallelize_sites(model, mesh) first, or pass the local tensor (x.to_local())"
-        )
 
 
 def check_same_device(t: torch.Tensor, device: torch.device, what: str, where: str) -> None:

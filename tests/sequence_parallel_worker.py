@@ -96,10 +96,16 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
         piece = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
         x, weight = x[:, piece].contiguous(), weight[:, piece]
         parallelize_sites(model)
-        if tp:
-            from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh
 
+        if tp:
             tensor_parallel_branches(model, init_device_mesh(device, (world,)))
+        elif dtensor:  # branches on DTensor inputs: parameters replicated the way PyTorch does it
+            from torch.distributed.tensor import distribute_module
+
+            mesh = init_device_mesh(device, (world,))
+            for site in model.sites:
+                distribute_module(site.branch, mesh)
         else:  # replicated per-token branches: their gradients are summed like the sites'
             hooked = reduce_gradients((p for s in model.sites for p in s.branch.parameters()))
     x.requires_grad_()
@@ -113,7 +119,12 @@ def run(name: str, shard: tuple[int, int] | None, device: str = "cpu") -> dict:
         else:
             (out * weight).sum().backward()
     grads = {n: _full(p.grad).cpu() for n, p in model.named_parameters()}
-    partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in _placements(p.grad)))
+    # the mhc modules' gradients are reduced by parallelize_sites; a DTensor branch's DTensor reduces
+    partial = sorted(
+        n
+        for n, p in model.named_parameters()
+        if ".branch." not in n and any(q.is_partial() for q in _placements(p.grad))
+    )
     return dict(out=out.detach(), x_grad=x.grad.clone(), grads=grads, partial=partial, all_reduces=all_reduces,
                 hooked=hooked)  # fmt: skip
 

@@ -160,13 +160,15 @@ _SPECS: dict = {}
 
 
 def unsharded_dtensor(local: torch.Tensor, mesh, placement) -> torch.Tensor:
-    """``DTensor.from_local(local, mesh, [placement] * mesh.ndim, run_check=False)`` for a
-    ``placement`` that shards nothing (``Replicate()`` or ``Partial()``: the global shape is the
-    local one). ``from_local`` builds a spec and an autograd node per call, host work that the
-    sites' parameter gradients would pay per parameter per step; here the spec is built once per
-    mesh, placement, shape, stride and dtype. Not differentiable: call it without grad mode (a
-    backward without ``create_graph``, or under ``torch.no_grad()``)."""
-    key = (mesh, placement, local.shape, local.stride(), local.dtype)
+    """``DTensor.from_local(local, mesh, placements, run_check=False)`` for placements that shard
+    nothing (``Replicate()`` or ``Partial()`` on each mesh dim: the global shape is the local one);
+    ``placement``: one for every mesh dim, or a tuple of them. ``from_local`` builds a spec and an
+    autograd node per call, host work that the sites' parameter gradients would pay per parameter
+    per step; here the spec is built once per mesh, placement, shape, stride and dtype. Not
+    differentiable: call it without grad mode (a backward without ``create_graph``, or under
+    ``torch.no_grad()``)."""
+    placements = tuple(placement) if isinstance(placement, (tuple, list)) else (placement,) * mesh.ndim
+    key = (mesh, placements, local.shape, local.stride(), local.dtype)
     spec = _SPECS.get(key)
     if spec is None:
         try:
@@ -174,9 +176,9 @@ def unsharded_dtensor(local: torch.Tensor, mesh, placement) -> torch.Tensor:
         except ImportError:  # a PyTorch that moved the spec: the public path
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(local, mesh, [placement] * mesh.ndim, run_check=False)
+            return DTensor.from_local(local, mesh, placements, run_check=False)
         meta = TensorMeta(shape=local.shape, stride=local.stride(), dtype=local.dtype)
-        spec = _SPECS[key] = DTensorSpec(mesh, (placement,) * mesh.ndim, tensor_meta=meta)
+        spec = _SPECS[key] = DTensorSpec(mesh, placements, tensor_meta=meta)
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)

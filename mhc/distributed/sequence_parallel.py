@@ -13,9 +13,8 @@ FSDP2 on a 2-D ``(dp, tp)`` mesh, which computes with unsharded copies, FSDP2 re
 branches inside the sites are parallelized by the model's own tensor-parallel plan (which gathers
 the sequence where a branch needs all of it, as attention does).
 
-Streams may arrive as local shards or as ``DTensor``\\ s sharded on the sequence dimension of a
-one-dimensional mesh: a site called as a module then runs on the local shard and returns a
-``DTensor`` of the same placement. ``split`` and ``finish`` (chained sites) take local shards.
+Streams may arrive as local shards or as ``DTensor``\\ s sharded over their tokens: the modules
+then run on the local shard and return a ``DTensor`` of the input's layout (:mod:`mhc.ops.local`).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhc._compat import after_backward, backward_task, is_dtensor, unsharded_dtensor
+from mhc._compat import after_backward, backward_task, unsharded_dtensor
 from mhc.modules import LaneMixer, Site, StreamCollapse, StreamExpand
 
 __all__ = ["parallelize_sites", "reduce_gradients"]
@@ -59,7 +58,7 @@ def _summed_over(group):
     return hook
 
 
-def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> nn.Module:
+def parallelize_sites(model: nn.Module, mesh=None) -> nn.Module:
     """Make every per-token ``mhc`` module of ``model`` (``HyperConnection`` and other sites,
     ``LaneMixer``, ``StreamCollapse``, ``StreamExpand``) run on sequence-sharded activations.
 
@@ -68,24 +67,23 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
     default process group), with rank 0's values. Their gradients, partial sums over the ranks'
     tokens (``Partial()``), are all-reduced at the end of each backward, in one collective per
     mesh and dtype (under FSDP2: by FSDP2). A gradient that accumulates onto a reduced one
-    (micro-batches without ``zero_grad``) is reduced as it accumulates, by ``DTensor``. A
-    ``DTensor`` input sharded on ``sequence_dim`` runs as its local shard. Call it after the
-    parameters are initialised and before ``fully_shard``, as torchtitan orders tensor parallel
-    and FSDP2. Returns ``model``, changed in place.
+    (micro-batches without ``zero_grad``) is reduced as it accumulates, by ``DTensor``. The
+    modules then take their rank's tokens as plain local shards (``split`` and ``finish`` of
+    chained sites too) or as ``DTensor``\\ s sharded over their tokens (:mod:`mhc.ops.local`). Call
+    it after the parameters are initialised and before ``fully_shard``, as torchtitan orders tensor
+    parallel and FSDP2. Returns ``model``, changed in place.
 
     The branches' parameters are not touched: the model's tensor-parallel plan owns them. A
     model whose activations are replicated over the group (tensor parallel without sequence
     parallel) needs no call: each rank computes its sites whole.
 
     Raises:
-        TypeError: ``model`` is not a module, or ``sequence_dim`` is not an int.
+        TypeError: ``model`` is not a module.
         ValueError: ``model`` holds no such module, they were parallelized already, or ``mesh``
             has more than one dimension.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
-        raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
     modules = [m for m in model.modules() if isinstance(m, PER_TOKEN)]
     if not modules:
         raise ValueError("model holds no hyper-connection site or stream module to parallelize")
@@ -95,8 +93,6 @@ def parallelize_sites(model: nn.Module, mesh=None, *, sequence_dim: int = 1) -> 
     reducer = _PartialGradients()
     for module in modules:
         _replicate_parameters(module, mesh, reducer)
-        module.register_forward_pre_hook(_to_local_shard(sequence_dim), with_kwargs=True)
-        module.register_forward_hook(_to_dtensor_like_input, with_kwargs=True)
         module._mhc_sequence_parallel = True
     return model
 
@@ -172,36 +168,3 @@ def _reduce_bucket(params: list[nn.Parameter], mesh) -> None:
     dist.all_reduce(flat, group=mesh.get_group())
     for param, t, summed in zip(params, local, flat.split([t.numel() for t in local])):
         param.grad = unsharded_dtensor(summed.view(t.shape), mesh, Replicate())
-
-
-def _to_local_shard(sequence_dim: int):
-    def hook(module, args, kwargs):
-        module._mhc_dtensor_input = None
-        if not args or not is_dtensor(args[0]):
-            return None
-        x = args[0]
-        from torch.distributed.tensor import Shard
-
-        dim = sequence_dim % x.dim()
-        if x.device_mesh.ndim != 1 or x.placements != (Shard(dim),):
-            raise ValueError(
-                f"a sequence-parallel site takes a DTensor sharded on dim {dim} of a 1-D mesh, got placements "
-                f"{x.placements} on a {x.device_mesh.ndim}-D mesh"
-            )
-        module._mhc_dtensor_input = (x.device_mesh, x.placements)
-        return (x.to_local(), *args[1:]), kwargs
-
-    return hook
-
-
-def _to_dtensor_like_input(module, args, kwargs, output):
-    layout = getattr(module, "_mhc_dtensor_input", None)
-    if layout is None:
-        return None
-    module._mhc_dtensor_input = None
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements = layout
-    if isinstance(output, tuple):
-        return (DTensor.from_local(output[0], mesh, placements), *output[1:])
-    return DTensor.from_local(output, mesh, placements)

@@ -14,14 +14,13 @@ from torch import nn
 from mhc._checks import (
     DEFAULT_RMS_EPS,
     MAX_STREAMS,
-    check_local,
     check_positive_int,
     check_rms_eps,
     check_same_device,
     check_settings,
     check_streams_shape,
 )
-from mhc.ops.local import assign, local_parameters
+from mhc.ops.local import as_dtensor, assign, local_parameters, local_tokens
 from mhc.ops.mixing import post_mix
 from mhc.ops.path import choose
 from mhc.ops.sinkhorn import sinkhorn
@@ -79,8 +78,13 @@ class LaneMixer(nn.Module):
             assign(self.proj, torch.zeros(self.proj.shape, dtype=self.proj.dtype))
 
     def matrix(self, x: torch.Tensor | None = None) -> torch.Tensor:
-        """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``."""
-        logits, proj = local_parameters(self, (self.logits, self.proj if self.dynamic else None))
+        """Static: ``[n, n]`` (``x`` not needed). Dynamic: ``[..., n, n]`` for lanes ``x [..., n, dim]``
+        (a ``DTensor`` of ``x``'s layout for a token-sharded ``DTensor`` ``x``)."""
+        x, layout = local_tokens(x, 2, "LaneMixer")
+        return as_dtensor(self._matrix(x, layout), layout if self.dynamic else None)
+
+    def _matrix(self, x, layout):
+        logits, proj = local_parameters(self, (self.logits, self.proj if self.dynamic else None), layout)
         logits = logits.to(coefficient_dtype(logits))
         if self.dynamic:
             if x is None:
@@ -94,18 +98,18 @@ class LaneMixer(nn.Module):
 
     def _check_input(self, x) -> None:
         check_streams_shape(x, self.n_lanes, self.dim, "x")
-        check_local(x, self)
         check_same_device(x, self.logits.device, "x", "the layer's parameters")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, layout = local_tokens(x, 2, "LaneMixer")
         self._check_input(x)
-        p = self.matrix(x)
+        p = self._matrix(x, layout)
         n = self.n_lanes
         if n <= MAX_STREAMS and choose(self.backend, x, "mixing", n) == "triton":
             T = math.prod(x.shape[:-2])
             p = p.float().reshape(T, n, n) if self.dynamic else p.float().expand(T, n, n)
-            return post_mix(x, None, None, p)
-        return p.to(x.dtype) @ x  # [n, n] or [..., n, n] @ [..., n, dim]; matmul returns no view
+            return as_dtensor(post_mix(x, None, None, p), layout)
+        return as_dtensor(p.to(x.dtype) @ x, layout)  # [n, n] or [..., n, n] @ [..., n, dim]: no view
 
     def extra_repr(self) -> str:
         return f"n_lanes={self.n_lanes}, dim={self.dim}, iters={self.iters}, dynamic={self.dynamic}"

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from mhc import reference
-from mhc._checks import check_local, check_same_device, check_streams_shape
+from mhc._checks import check_same_device, check_streams_shape
 from mhc._compat import materialized
-from mhc.ops.local import local_parameters
+from mhc.ops.local import as_dtensor, local_like, local_parameters, local_tokens
 from mhc.ops.mixing import MHCSeamFunction, PostMixFunction
 from mhc.ops.path import choose
 from mhc.ops.rebuild import function_args, function_outputs, reference_scope
@@ -65,9 +65,10 @@ class KeepStreams:
 KEEP_STREAMS = KeepStreams()
 
 
-def branch_output(out, shape, device):
+def branch_output(out, shape, device, layout=None):
     """``(y, rest)``: a branch may return a tensor, or a tuple / list whose first element is the
-    tensor mixed into the streams (attention modules returning weights or a cache)."""
+    tensor mixed into the streams (attention modules returning weights or a cache). With the
+    streams' ``layout`` a ``DTensor`` ``y`` becomes the local shard of their tokens."""
     rest = ()
     if isinstance(out, (tuple, list)):
         if len(out) == 0:
@@ -77,6 +78,7 @@ def branch_output(out, shape, device):
         raise TypeError(
             f"the branch must return a torch.Tensor (or a tuple starting with one), got {type(out).__name__}"
         )
+    out = local_like(out, layout, "the branch output")
     if out.shape != shape:
         raise ValueError(f"branch output must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.is_floating_point():
@@ -111,6 +113,7 @@ class Site:
     _recorder: tuple | None = None  # the lists of the open mhc.mixing.collect_h_res blocks
     _recompute = KEEP_STREAMS  # the memory strategy's hook (mhc.memory.recompute)
     _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
+    _layout = None  # the TokenLayout of the DTensor streams this site runs on (mhc.ops.local)
 
     def mixing_parameters(self):
         """``(phi, alpha, bias)``: the projection, the gates ``alpha [3] = (a_pre, a_post, a_res)``
@@ -119,13 +122,15 @@ class Site:
         raise NotImplementedError
 
     def compute_parameters(self):
-        """:meth:`mixing_parameters` as the ops take them: the local tensors of a sequence-parallel
-        site's ``DTensor`` parameters (:mod:`mhc.ops.local`), else the parameters themselves."""
-        return local_parameters(self, self.mixing_parameters())
+        """:meth:`mixing_parameters` as the ops take them: the local tensors of ``DTensor``
+        parameters (:mod:`mhc.ops.local`), else the parameters themselves."""
+        return local_parameters(self, self.mixing_parameters(), self._layout)
 
     def coefficients(self, x: torch.Tensor):
         """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on the reference
-        path for fp64 activations or parameters) for streams ``x [..., n, dim]``."""
+        path for fp64 activations or parameters) for streams ``x [..., n, dim]`` (local tensors for
+        a ``DTensor`` ``x``: its tokens' coefficients on this rank)."""
+        x, self._layout = local_tokens(x, 2, type(self).__name__)
         self._check_input(x)
         n, lead = self.n_streams, x.shape[:-2]
         if (
@@ -145,7 +150,16 @@ class Site:
         ``finish(y, next=site_2)`` is ``site_2.split(finish(y))`` (see :mod:`mhc.modules.site`). If ``y``
         is a tuple (or list), its first element is mixed into the streams and the extras follow
         the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
+
+        ``DTensor`` streams sharded over their tokens run as their local shards; ``x_in`` and the
+        streams ``finish`` returns are ``DTensor``\\ s of the same layout (:mod:`mhc.ops.local`).
         """
+        x, layout = local_tokens(x, 2, type(self).__name__)
+        return self._split(x, layout)
+
+    def _split(self, x: torch.Tensor, layout):
+        """:meth:`split` on the local streams ``x`` of ``layout`` (``None``: not a ``DTensor``)."""
+        self._layout = layout
         self._check_input(x)
         path = choose(self.backend, x, "mixing", self.n_streams)
         schedule = self._recompute
@@ -160,12 +174,11 @@ class Site:
         if plan is None:
             schedule.begin(x, path)
         self._record(h_res)
-        return x_in, ReferenceFinish(self, x, h_post, h_res, plan)
+        return as_dtensor(x_in, layout), ReferenceFinish(self, x, h_post, h_res, plan, layout)
 
     def _check_input(self, x) -> None:
         # every parameter: the kernels take their addresses as they are (no driver check per launch)
         check_streams_shape(x, self.n_streams, self.dim, "x")
-        check_local(x, self)
         for p in self.mixing_parameters():
             if p is not None:
                 check_same_device(x, p.device, "x", "the layer's parameters")
@@ -174,7 +187,8 @@ class Site:
         if self._recorder is not None:  # the reshape only while recording: it costs host time per site
             n = self.n_streams
             self._record(h_res.expand(h_post.shape[0], n, n).reshape(*x_pass.shape[:-2], n, n))
-        return x_in, FusedFinish(self, x_pass, h_post, h_res, plan)
+        layout = self._layout
+        return as_dtensor(x_in, layout), FusedFinish(self, x_pass, h_post, h_res, plan, layout)
 
     def _record(self, h_res: torch.Tensor) -> None:
         for records in self._recorder or ():
@@ -193,12 +207,13 @@ class Site:
 class ReferenceFinish:
     """``finish`` of the reference path: ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``."""
 
-    def __init__(self, site: Site, x, h_post, h_res, plan=None):
+    def __init__(self, site: Site, x, h_post, h_res, plan=None, layout=None):
         self.site, self.x, self.h_post, self.h_res, self.plan = site, x, h_post, h_res, plan
+        self.layout = layout
 
     def __call__(self, y, next: Site | None = None):
         x = self.x
-        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device, self.layout)
         if next is not None:
             self.site._check_next(next)
         with reference_scope(self.plan, x, reference.post_mix):
@@ -206,7 +221,9 @@ class ReferenceFinish:
         schedule = self.site._recompute
         last = self.site if next is None else None
         schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
-        return _returned(rest, out) if next is None else _returned(rest, *next.split(out))
+        if next is None:
+            return _returned(rest, as_dtensor(out, self.layout))
+        return _returned(rest, *next._split(out, self.layout))
 
 
 class FusedFinish:
@@ -214,19 +231,21 @@ class FusedFinish:
     site's coefficients are dynamic mHC. Streams keep their leading dims; the coefficients are per
     flattened token. ``plan``: how the site's Functions rebuild ``x_pass`` in recompute mode."""
 
-    def __init__(self, site: Site, x_pass, h_post, h_res, plan=None):
+    def __init__(self, site: Site, x_pass, h_post, h_res, plan=None, layout=None):
         self.site, self.x_pass, self.h_post, self.h_res, self.plan = site, x_pass, h_post, h_res, plan
+        self.layout = layout
 
     def __call__(self, y, next: Site | None = None):
-        site, x = self.site, self.x_pass
-        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device)
+        site, x, layout = self.site, self.x_pass, self.layout
+        y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device, layout)
         y = materialized(y)  # the kernels read its pointer
         schedule = site._recompute
         if next is None:
-            return _returned(rest, self._post_mix(y, schedule))
+            return _returned(rest, as_dtensor(self._post_mix(y, schedule), layout))
         site._check_next(next)
         if not (next.source.fused_coefficients and choose(next.backend, x, "mixing", site.n_streams) == "triton"):
-            return _returned(rest, *next.split(self._post_mix(y, schedule, next)))
+            return _returned(rest, *next._split(self._post_mix(y, schedule, next), layout))
+        next._layout = layout
         args = (
             x,
             y,

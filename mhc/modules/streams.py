@@ -16,7 +16,6 @@ from torch import nn
 from mhc._checks import (
     DEFAULT_RMS_EPS,
     check_floating,
-    check_local,
     check_operand,
     check_positive_int,
     check_rms_eps,
@@ -24,7 +23,7 @@ from mhc._checks import (
     check_settings,
     check_streams_shape,
 )
-from mhc.ops.local import assign, local_parameters
+from mhc.ops.local import as_dtensor, assign, local_parameters, local_tokens
 from mhc.ops.mixing import pre_mix
 from mhc.ops.path import choose
 from mhc.reference.site import collapse_weights
@@ -77,9 +76,10 @@ class StreamExpand(nn.Module):
         assign(self.embedding, torch.zeros(self.embedding.shape, dtype=self.embedding.dtype))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        check_local(h, self)
-        (embedding,) = local_parameters(self, (self.embedding,))
-        return expand_streams(h, self.n_streams, embedding)
+        """``h [..., dim] -> [..., n, dim]``; a token-sharded ``DTensor`` ``h`` gives a ``DTensor``."""
+        h, layout = local_tokens(h, 1, "StreamExpand")
+        (embedding,) = local_parameters(self, (self.embedding,), layout)
+        return as_dtensor(expand_streams(h, self.n_streams, embedding), layout)
 
 
 def stream_collapse(
@@ -147,18 +147,19 @@ class StreamCollapse(nn.Module):
         assign(self.b_pre, torch.full((n,), -math.log(n - 1) if n > 1 else 20.0, dtype=self.b_pre.dtype))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
+        x, layout = local_tokens(x, 2, "StreamCollapse")
         check_streams_shape(x, self.n_streams, self.dim, "x")
-        check_local(x, self)
         check_same_device(x, self.phi.device, "x", "the layer's parameters")
-        return collapse_weights(x, *self._parameters_for_ops(), self.rms_eps, self.eps)
+        return as_dtensor(collapse_weights(x, *self._parameters_for_ops(layout), self.rms_eps, self.eps), layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, layout = local_tokens(x, 2, "StreamCollapse")
         check_streams_shape(x, self.n_streams, self.dim, "x")
-        check_local(x, self)
-        return stream_collapse(x, *self._parameters_for_ops(), self.rms_eps, self.eps, self.backend)
+        out = stream_collapse(x, *self._parameters_for_ops(layout), self.rms_eps, self.eps, self.backend)
+        return as_dtensor(out, layout)
 
-    def _parameters_for_ops(self):
-        return local_parameters(self, (self.phi, self.a_pre, self.b_pre))
+    def _parameters_for_ops(self, layout):
+        return local_parameters(self, (self.phi, self.a_pre, self.b_pre), layout)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_streams={self.n_streams}" + (f", eps={self.eps}" if self.eps else "")

@@ -1,33 +1,127 @@
-"""The local tensors of sequence-parallel modules' parameters, and initial values for ``DTensor``
-parameters.
+"""Per-token modules on ``DTensor``\\ s: the local shard of a token-sharded input and back, the
+local tensors of replicated ``DTensor`` parameters, and initial values for ``DTensor`` parameters.
 
-:func:`mhc.distributed.parallelize_sites` makes a module's own parameters ``DTensor``\\ s
-replicated over the tensor-parallel mesh, and the module runs on its rank's share of the tokens.
-The kernels and the reference ops take plain tensors: a module reads its parameters through
-:func:`local_parameters`, which hands over each ``DTensor``'s local tensor with its gradient
-declared a partial sum (``Partial``): each rank's gradient covers its own tokens only, and the
-``DTensor`` sums them over the mesh where the gradient is used (FSDP2's reduction, the optimizer,
-``full_tensor()``).
+Everything a site, a lane mixer or a stream module computes is per token, so it runs on each
+rank's tokens as they are. A ``DTensor`` input sharded over its token dims (any mesh; ``Shard``
+of a leading dim, or ``Replicate``) runs as its local shard (:func:`local_tokens`), and the output
+is a ``DTensor`` with the input's mesh, placements and global token dims (:func:`as_dtensor`),
+even where the shards are uneven. The module's parameters must then be ``DTensor``\\ s replicated
+over the same mesh, however they were made (:func:`mhc.distributed.parallelize_sites`,
+``distribute_module``, ``SequenceParallel()``, FSDP2's unsharded copies): the ops take their
+local tensors (:func:`local_parameters`), whose gradients are partial sums (``Partial()``) over
+the mesh dims that shard the tokens (each rank's gradient covers its own tokens) and replicated
+over the others. ``DTensor`` sums the partial ones where the gradient is read (the optimizer,
+``full_tensor()``, FSDP2's reduction); :func:`mhc.distributed.parallelize_sites` reduces them once
+at the end of each backward instead.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from mhc._compat import is_dtensor, unsharded_dtensor
 
-__all__ = ["assign", "local_parameters"]
+__all__ = ["TokenLayout", "local_tokens", "as_dtensor", "local_parameters", "assign"]
 
 
-def local_parameters(module, params: tuple) -> tuple:
-    """``params`` (tensors or ``None``) as the ops take them: unchanged unless ``module`` is
-    sequence-parallel (``module._mhc_sequence_parallel``), then each ``DTensor``'s local tensor."""
-    if not module._mhc_sequence_parallel:
+class TokenLayout(NamedTuple):
+    """How a ``DTensor`` input was laid out: its mesh and placements, its global token dims
+    ``lead``, and the placements of the parameters' gradients (``grads``)."""
+
+    mesh: object
+    placements: tuple
+    lead: tuple
+    grads: tuple
+
+
+def local_tokens(x, trailing: int, what: str):
+    """``(local, layout)``: the local shard of ``x`` (a ``DTensor`` whose dims but the last
+    ``trailing`` are tokens), and its :class:`TokenLayout`; ``(x, None)`` for any other tensor.
+    Raises ``ValueError`` for a ``DTensor`` sharded over a non-token dim or holding partial sums."""
+    if not is_dtensor(x):
+        return x, None
+    from torch.distributed.tensor import Partial, Replicate
+
+    tokens = x.dim() - trailing
+    for p in x.placements:
+        if p.is_partial() or (p.is_shard() and not 0 <= p.dim % x.dim() < tokens):
+            raise ValueError(
+                f"{what} computes per token: a DTensor input may be sharded over its token dims (the first "
+                f"{tokens} of shape {tuple(x.shape)}) or replicated, got placements {tuple(x.placements)}; "
+                "redistribute it first, e.g. x.redistribute(mesh, [Shard(1)])"
+            )
+    grads = tuple(Partial() if p.is_shard() else Replicate() for p in x.placements)
+    layout = TokenLayout(x.device_mesh, tuple(x.placements), tuple(x.shape[:tokens]), grads)
+    return x.to_local(grad_placements=x.placements), layout
+
+
+def local_like(t, layout: TokenLayout | None, what: str):
+    """A branch output ``t`` as the local shard of ``layout``'s tokens: a ``DTensor`` is
+    redistributed to ``layout``'s placements first (a tensor-parallel branch's output, replicated
+    or partial); a plain tensor is taken as the local shard already."""
+    if layout is None or not is_dtensor(t):
+        return t
+    if t.device_mesh != layout.mesh:
+        raise ValueError(f"{what} is a DTensor on another mesh than the streams': {t.device_mesh} vs {layout.mesh}")
+    if tuple(t.placements) != layout.placements:
+        t = t.redistribute(layout.mesh, layout.placements)
+    return t.to_local(grad_placements=layout.placements)
+
+
+def as_dtensor(t: torch.Tensor, layout: TokenLayout | None):
+    """``t`` (a local result whose leading dims are the local tokens) as a ``DTensor`` of
+    ``layout``: its mesh and placements, the global token dims and ``t``'s trailing ones, with
+    contiguous strides. ``t`` itself where ``layout`` is ``None``."""
+    if layout is None:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size((*layout.lead, *t.shape[len(layout.lead) :]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, layout.mesh, layout.placements, run_check=False, shape=shape, stride=stride)
+
+
+def local_parameters(module, params: tuple, layout: TokenLayout | None = None) -> tuple:
+    """``params`` (tensors or ``None``) as the ops take them. Plain parameters stay as they are,
+    unless the input came as a ``DTensor`` (``layout``): their gradients would then cover this
+    rank's tokens only, so that is a ``TypeError``. ``DTensor`` parameters become their local
+    tensors with the gradient placements of ``layout`` (a sequence-parallel module's plain input
+    is a local shard: partial sums, reduced by :func:`mhc.distributed.parallelize_sites`)."""
+    dtensors = [p for p in params if p is not None and is_dtensor(p)]
+    if not dtensors:
+        if layout is not None and any(p is not None for p in params):
+            raise TypeError(
+                f"{type(module).__name__} got a DTensor input but its parameters are plain tensors, whose "
+                "gradients would cover this rank's tokens only: make them DTensors replicated over the input's "
+                "mesh (mhc.distributed.parallelize_sites(model, mesh), or torch's distribute_module / "
+                "SequenceParallel()), or pass the local tensor (x.to_local()) and reduce the gradients yourself"
+            )
         return params
-    if torch.compiler.is_compiling() or not all(p is None or _replicated(p) for p in params):
-        return tuple(None if p is None else _local(p) for p in params)
+    if layout is None and not module._mhc_sequence_parallel:
+        return params  # DTensor parameters, a plain input: the ops see DTensors and say what they take
+    for p in dtensors:
+        if not _replicated(p):
+            raise ValueError(
+                f"{type(module).__name__}'s parameters must be replicated DTensors (Replicate() on every mesh "
+                f"dim), got placements {tuple(p.placements)}"
+            )
+        if layout is not None and p.device_mesh != layout.mesh:
+            raise ValueError(
+                f"{type(module).__name__}'s parameters live on {p.device_mesh}, its input on {layout.mesh}: "
+                "replicate the parameters over the input's mesh"
+            )
+    if layout is None:  # parallelize_sites: a local shard of the tokens on every mesh dim
+        from torch.distributed.tensor import Partial
+
+        grads = (Partial(),) * dtensors[0].device_mesh.ndim
+    else:
+        grads = layout.grads
+    if torch.compiler.is_compiling() or not all(p is None or is_dtensor(p) for p in params):
+        return tuple(None if p is None else _local(p, grads) for p in params)
     present = [p for p in params if p is not None]
-    local = iter(_LocalTensors.apply(*present))
+    local = iter(_LocalTensors.apply(grads, *present))
     return tuple(None if p is None else next(local) for p in params)
 
 
@@ -35,24 +129,21 @@ def _replicated(p) -> bool:
     return is_dtensor(p) and all(q.is_replicate() for q in p.placements)
 
 
-def _local(p):
-    if not is_dtensor(p):
-        return p
-    from torch.distributed.tensor import Partial
-
-    return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
+def _local(p, grads):
+    return p.to_local(grad_placements=grads) if is_dtensor(p) else p
 
 
 class _LocalTensors(torch.autograd.Function):
-    """The local tensors of replicated ``DTensor`` parameters, their gradients ``Partial()``: what
-    ``p.to_local(grad_placements=[Partial()])`` gives, in one autograd node for all of a module's
-    parameters and with the gradients' specs reused (:func:`mhc._compat.unsharded_dtensor`), so a
-    site's host work under sequence parallelism does not grow by a node and a spec per parameter.
-    Double backward goes through ``DTensor.from_local``, which autograd follows."""
+    """The local tensors of replicated ``DTensor`` parameters, their gradients with the placements
+    ``grads``: what ``p.to_local(grad_placements=grads)`` gives, in one autograd node for all of a
+    module's parameters and with the gradients' specs reused (:func:`mhc._compat.unsharded_dtensor`),
+    so a site's host work under sequence parallelism does not grow by a node and a spec per
+    parameter. Double backward goes through ``DTensor.from_local``, which autograd follows."""
 
     @staticmethod
-    def forward(ctx, *params):
+    def forward(ctx, grads, *params):
         ctx.meshes = [p.device_mesh for p in params]
+        ctx.grads = grads
         ctx.set_materialize_grads(False)
         # without grad mode to_local() is the local tensor itself; autograd writes its metadata
         # into what a Function returns, hence fresh views
@@ -60,14 +151,14 @@ class _LocalTensors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from torch.distributed.tensor import DTensor, Partial
+        from torch.distributed.tensor import DTensor
 
-        def partial(g, mesh):
+        def gradient(g, mesh):
             if torch.is_grad_enabled():  # create_graph: a gradient that autograd differentiates again
-                return DTensor.from_local(g, mesh, [Partial()] * mesh.ndim, run_check=False)
-            return unsharded_dtensor(g, mesh, Partial())
+                return DTensor.from_local(g, mesh, ctx.grads, run_check=False)
+            return unsharded_dtensor(g, mesh, ctx.grads)
 
-        return tuple(None if g is None else partial(g, mesh) for g, mesh in zip(grads, ctx.meshes))
+        return None, *(None if g is None else gradient(g, mesh) for g, mesh in zip(grads, ctx.meshes))
 
 
 def assign(param, value) -> None:
