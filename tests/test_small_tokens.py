@@ -372,7 +372,7 @@ def test_the_mix_backward_splits_d_where_its_programs_are_few(tokens, sms, n, on
 
 
 # (d, tokens, ranges) of the one-stream pre-mix swept on an H100 (132 SMs): the fastest count, or
-# within 1% of it (bench/results/small_tokens_split_sweep_h100.log, small_tokens_pre_mix_ranges_h100.log)
+# within 1% of it (dev/LOG.md, the small-token split sweep)
 PRE_MIX_SWEPT = [
     (1024, 512, 2),
     (1024, 1024, 2),
