@@ -130,7 +130,8 @@ class Site:
         """``(h_pre [..., n], h_post [..., n], h_res [..., n, n])`` in fp32 (fp64 on the reference
         path for fp64 activations or parameters) for streams ``x [..., n, dim]`` (local tensors for
         a ``DTensor`` ``x``: its tokens' coefficients on this rank)."""
-        x, self._layout = local_tokens(x, 2, type(self).__name__)
+        x, layout = local_tokens(x, 2, type(self).__name__)
+        self._set_layout(layout)
         self._check_input(x)
         n, lead = self.n_streams, x.shape[:-2]
         if (
@@ -159,7 +160,7 @@ class Site:
 
     def _split(self, x: torch.Tensor, layout):
         """:meth:`split` on the local streams ``x`` of ``layout`` (``None``: not a ``DTensor``)."""
-        self._layout = layout
+        self._set_layout(layout)
         self._check_input(x)
         path = choose(self.backend, x, "mixing", self.n_streams)
         schedule = self._recompute
@@ -175,6 +176,12 @@ class Site:
             schedule.begin(x, path)
         self._record(h_res)
         return as_dtensor(x_in, layout), ReferenceFinish(self, x, h_post, h_res, plan, layout)
+
+    def _set_layout(self, layout) -> None:
+        # written only when it changes: an attribute written inside a checkpointed region is a side
+        # effect that torch.compile cannot trace there (the region would run uncompiled)
+        if self._layout is not layout:
+            self._layout = layout
 
     def _check_input(self, x) -> None:
         # every parameter: the kernels take their addresses as they are (no driver check per launch)
@@ -245,7 +252,7 @@ class FusedFinish:
         site._check_next(next)
         if not (next.source.fused_coefficients and choose(next.backend, x, "mixing", site.n_streams) == "triton"):
             return _returned(rest, *next._split(self._post_mix(y, schedule, next), layout))
-        next._layout = layout
+        next._set_layout(layout)
         args = (
             x,
             y,
