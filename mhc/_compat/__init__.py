@@ -227,14 +227,29 @@ def tag_function_bodies(gmod: torch.fx.GraphModule) -> None:
 
 
 def _calls_mhc_ops(gmod: torch.fx.GraphModule) -> bool:
-    """Whether ``gmod`` (or a subgraph it holds) calls an op of the ``mhc`` namespace."""
+    """Whether ``gmod`` (or a subgraph it holds) calls an op of the ``mhc`` namespace, or one of
+    ``mhc``'s Triton kernels (a ``triton_op``'s body is traced into the graph as its kernels)."""
     for node in gmod.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("mhc."):
+        if node.op == "call_function" and (str(node.target).startswith("mhc.") or _is_mhc_kernel_call(node)):
             return True
         if node.op == "get_attr" and isinstance(sub := getattr(gmod, node.target, None), torch.fx.GraphModule):
             if _calls_mhc_ops(sub):
                 return True
     return False
+
+
+def _is_mhc_kernel_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` launches one of ``mhc``'s Triton kernels (a traced ``wrap_triton`` call)."""
+    if "kernel_idx" not in node.kwargs:
+        return False
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    except ImportError:
+        return False
+    from mhc._compat.write_analysis import _jit_function
+
+    function = _jit_function(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]))
+    return function is not None and getattr(function.fn, "__module__", "").startswith("mhc.")
 
 
 def save_function_outputs(gmod: torch.fx.GraphModule) -> None:
