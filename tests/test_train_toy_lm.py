@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_toy_lm.py"
 spec = importlib.util.spec_from_file_location("train_toy_lm", SCRIPT)
 toy = importlib.util.module_from_spec(spec)
+sys.modules["train_toy_lm"] = toy  # the arms' processes find what this process pickles by name
 spec.loader.exec_module(toy)
 
 TINY = [
