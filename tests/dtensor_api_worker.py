@@ -76,7 +76,7 @@ class MLP(nn.Module):
 def build(case: str, backend: str) -> nn.Module:
     torch.manual_seed(0)
     kind = case.split("/")[0]
-    if kind in ("site", "uneven", "mesh_2d"):
+    if kind in ("site", "uneven", "mesh_2d", "compiled"):
         model = HyperConnection(DIM, STREAMS, branch=nn.Identity(), init="zero", backend=backend)
     elif kind == "tp_branch":
         model = HyperConnection(DIM, STREAMS, branch=MLP(), init="zero", backend=backend)
@@ -107,7 +107,7 @@ def inputs(case: str, seq: int):
 
 
 def sequence_length(case: str, world: int) -> int:
-    return 2 * world + 1 if case.startswith("uneven") else 2 * world
+    return 2 * world + 1 if case.startswith(("uneven", "compiled")) else 2 * world
 
 
 def run(case: str, backend: str, world: int, mesh=None):
@@ -134,7 +134,10 @@ def run(case: str, backend: str, world: int, mesh=None):
         x = distribute_tensor(x, mesh, placements)
         grad = distribute_tensor(grad, mesh, placements)
     x.requires_grad_()
-    out = model(x)
+    if case.startswith("compiled"):  # Dynamo and AOTAutograd trace the DTensor path (no C++ build)
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    else:
+        out = model(x)
     out.backward(grad)
 
     def full(t):
@@ -144,7 +147,7 @@ def run(case: str, backend: str, world: int, mesh=None):
     return tuple(out.shape), full(out).detach(), full(x.grad).detach(), params
 
 
-CASES = ["site", "uneven", "chain", "recompute", "tp_branch", "lanes", "collapse", "expand"]
+CASES = ["site", "uneven", "chain", "recompute", "tp_branch", "lanes", "collapse", "expand", "compiled"]
 
 
 def main():

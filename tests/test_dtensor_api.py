@@ -2,7 +2,7 @@
 replicated (``distribute_module``, ``SequenceParallel()``, a tensor-parallel branch's plan): on 2
 and 4 gloo ranks, both paths (the kernels in Triton's interpreter), against one process on the
 whole batch. Global shapes (uneven shards too), outputs, input gradients and every parameter
-gradient; on 4 ranks also a 2-D ``(dp, tp)`` mesh."""
+gradient, eager and compiled (``fullgraph``, uneven); on 4 ranks also a 2-D ``(dp, tp)`` mesh."""
 
 import os
 from pathlib import Path

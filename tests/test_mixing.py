@@ -284,3 +284,19 @@ def test_tiny_transformer_learns_a_sequence_task():
         if len(losses) >= 20 and sum(losses[-10:]) < 0.5 * sum(losses[:10]):
             break
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10]), losses
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_checkpointed_site_compiles_as_one_graph(backend):
+    """A site inside ``torch.utils.checkpoint`` traces as one graph (``fullgraph``): nothing in a
+    site's call is a side effect the checkpoint region cannot hold (PyTorch 2.11 breaks the graph
+    at an attribute write there, and the region then runs uncompiled)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.conftest import KERNEL_DEVICE
+
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    site = randomise(HyperConnection(8, 4, branch=nn.Linear(8, 8), backend=backend), seed=3).to(device)
+    x = streams((2, 5), 4, 8, seed=4).to(device).requires_grad_()
+    compiled = torch.compile(lambda x: checkpoint(site, x, use_reentrant=False), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), site(x))
