@@ -387,3 +387,26 @@ def test_site_gradients_reduced_after_a_backward_that_raised(mesh):
         dist.all_reduce = original
     assert [p.grad.placements for p in site_params] == [(Replicate(),)] * len(site_params)
     assert calls == [sum(p.numel() for p in site_params)]
+
+
+@pytest.mark.parametrize("kind", ["HyperConnection", "LaneMixer", "StreamCollapse"])
+def test_module_refuses_streams_not_sharded_over_tokens(mesh, kind):
+    """Sharded over the channels or the streams, or holding partial sums, a ``DTensor`` is not a set
+    of whole tokens: a ``ValueError`` that says to redistribute, before any op runs."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+
+    from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse
+
+    module = {
+        "HyperConnection": lambda: HyperConnection(D, N, branch=torch.nn.Identity()),
+        "LaneMixer": lambda: LaneMixer(N, D),
+        "StreamCollapse": lambda: StreamCollapse(D, N),
+    }[kind]().to(KERNEL_DEVICE)
+    distribute_module(module, mesh)  # replicated DTensor parameters: what is refused is the layout
+    local = torch.randn(2, T, N, D, device=KERNEL_DEVICE)
+    for placement in (Shard(3), Shard(-2), Partial()):
+        x = DTensor.from_local(local, mesh, [placement], run_check=False)
+        with pytest.raises(ValueError, match="computes per token.*redistribute"):
+            module(x)
+    replicated = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    assert module(replicated).placements == (Replicate(),)  # whole tokens on every rank: it runs
