@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_toy_lm as toy  # noqa: E402  (the synthetic language and the schedule)
+import train_toy_lm as toy  # noqa: E402  (the synthetic language, the schedule, the MLP)
 
 from mhc.distributed import parallelize_sites  # noqa: E402
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams  # noqa: E402
@@ -69,17 +69,6 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.RMSNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(self.norm(h))))
-
-
 class Residual(nn.Module):
     """``h + branch(h)``: the plain arm's block."""
 
@@ -100,7 +89,7 @@ class GPT(nn.Module):
         self.arm, self.streams = arm, streams
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
-        branches = [b for _ in range(layers) for b in (Attention(dim, heads), MLP(dim))]
+        branches = [b for _ in range(layers) for b in (Attention(dim, heads), toy.MLP(dim))]
         if arm == "mhc":
             self.blocks = nn.ModuleList(HyperConnection(dim, streams, branch=b) for b in branches)
         else:
