@@ -75,7 +75,7 @@ class MLP(nn.Module):
 
 def build(case: str, backend: str) -> nn.Module:
     torch.manual_seed(0)
-    kind = case.split("/")[0]
+    kind = case.removeprefix("sp_")
     if kind in ("site", "uneven", "mesh_2d", "compiled"):
         model = HyperConnection(DIM, STREAMS, branch=nn.Identity(), init="zero", backend=backend)
     elif kind == "tp_branch":
@@ -100,9 +100,10 @@ def build(case: str, backend: str) -> nn.Module:
 
 def inputs(case: str, seq: int):
     g = torch.Generator().manual_seed(1)
-    shape = (BATCH, seq, DIM) if case.startswith("expand") else (BATCH, seq, STREAMS, DIM)
+    kind = case.removeprefix("sp_")
+    shape = (BATCH, seq, DIM) if kind == "expand" else (BATCH, seq, STREAMS, DIM)
     x = torch.randn(shape, generator=g)
-    out_shape = (BATCH, seq, DIM) if case.startswith("collapse") else (BATCH, seq, STREAMS, DIM)
+    out_shape = (BATCH, seq, DIM) if kind == "collapse" else (BATCH, seq, STREAMS, DIM)
     return x, torch.randn(out_shape, generator=g)
 
 
@@ -117,7 +118,7 @@ def run(case: str, backend: str, world: int, mesh=None):
     model = build(case, backend)
     x, grad = inputs(case, sequence_length(case, world))
     if mesh is not None:
-        if case.startswith("lanes"):
+        if case.startswith(("lanes", "sp_")):  # PyTorch's plan replicates every parameter
             from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
             parallelize_module(model, mesh, SequenceParallel(use_local_output=False))
@@ -148,6 +149,7 @@ def run(case: str, backend: str, world: int, mesh=None):
 
 
 CASES = ["site", "uneven", "chain", "recompute", "tp_branch", "lanes", "collapse", "expand", "compiled"]
+CASES += ["sp_site", "sp_collapse", "sp_expand"]  # SequenceParallel() on modules without nested parameters
 
 
 def main():
