@@ -410,3 +410,20 @@ def test_module_refuses_streams_not_sharded_over_tokens(mesh, kind):
             module(x)
     replicated = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
     assert module(replicated).placements == (Replicate(),)  # whole tokens on every rank: it runs
+
+
+def test_module_with_dtensor_parameters_refuses_a_plain_input(mesh):
+    """``distribute_module`` made the parameters ``DTensor``\\ s: a plain input is refused with what
+    to pass, rather than failing inside an op on mixed tensors; a static ``LaneMixer``'s matrix,
+    which takes no tokens, is a ``DTensor``."""
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    from mhc.mixing import HyperConnection, LaneMixer
+
+    site = HyperConnection(D, N, branch=torch.nn.Identity()).to(KERNEL_DEVICE)
+    distribute_module(site, mesh)
+    with pytest.raises(TypeError, match="plain tensor input but its parameters are DTensors"):
+        site(torch.randn(2, T, N, D, device=KERNEL_DEVICE))
+    lanes = LaneMixer(N).to(KERNEL_DEVICE)
+    distribute_module(lanes, mesh)
+    assert isinstance(lanes.matrix(), DTensor)

@@ -84,7 +84,8 @@ class LaneMixer(nn.Module):
         return as_dtensor(self._matrix(x, layout), layout if self.dynamic else None)
 
     def _matrix(self, x, layout):
-        logits, proj = local_parameters(self, (self.logits, self.proj if self.dynamic else None), layout)
+        params = (self.logits, self.proj if self.dynamic else None)
+        logits, proj = local_parameters(self, params, layout, tokens=x is not None)
         logits = logits.to(coefficient_dtype(logits))
         if self.dynamic:
             if x is None:

@@ -83,12 +83,14 @@ def as_dtensor(t: torch.Tensor, layout: TokenLayout | None):
     return DTensor.from_local(t, layout.mesh, layout.placements, run_check=False, shape=shape, stride=stride)
 
 
-def local_parameters(module, params: tuple, layout: TokenLayout | None = None) -> tuple:
+def local_parameters(module, params: tuple, layout: TokenLayout | None = None, tokens: bool = True) -> tuple:
     """``params`` (tensors or ``None``) as the ops take them. Plain parameters stay as they are,
     unless the input came as a ``DTensor`` (``layout``): their gradients would then cover this
     rank's tokens only, so that is a ``TypeError``. ``DTensor`` parameters become their local
     tensors with the gradient placements of ``layout`` (a sequence-parallel module's plain input
-    is a local shard: partial sums, reduced by :func:`mhc.distributed.parallelize_sites`)."""
+    is a local shard: partial sums, reduced by :func:`mhc.distributed.parallelize_sites`); with a
+    plain input to a module that is not sequence-parallel they are a ``TypeError``, unless no
+    tokens come in at all (``tokens=False``: a static ``LaneMixer``'s matrix, then a ``DTensor``)."""
     dtensors = [p for p in params if p is not None and is_dtensor(p)]
     if not dtensors:
         if layout is not None and any(p is not None for p in params):
@@ -100,7 +102,13 @@ def local_parameters(module, params: tuple, layout: TokenLayout | None = None) -
             )
         return params
     if layout is None and not module._mhc_sequence_parallel:
-        return params  # DTensor parameters, a plain input: the ops see DTensors and say what they take
+        if not tokens:
+            return params
+        raise TypeError(
+            f"{type(module).__name__} got a plain tensor input but its parameters are DTensors: pass the "
+            "input as a DTensor sharded over its tokens (the module runs on the local shard), or call "
+            "mhc.distributed.parallelize_sites(model, mesh) to hand it local shards"
+        )
     for p in dtensors:
         if not _replicated(p):
             raise ValueError(
