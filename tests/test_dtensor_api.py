@@ -2,7 +2,8 @@
 replicated (``distribute_module``, ``SequenceParallel()``, a tensor-parallel branch's plan): on 2
 and 4 gloo ranks, both paths (the kernels in Triton's interpreter), against one process on the
 whole batch. Global shapes (uneven shards too), outputs, input gradients and every parameter
-gradient, eager and compiled (``fullgraph``, uneven); on 4 ranks also a 2-D ``(dp, tp)`` mesh."""
+gradient, eager and compiled (``fullgraph``, uneven). On 4 ranks the layouts that change with the
+rank count (even, uneven, chained, recompute, a tensor-parallel branch) and a 2-D ``(dp, tp)`` mesh."""
 
 import os
 from pathlib import Path
@@ -17,20 +18,24 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.xdist_group("dtensor_api")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def ranks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"dtensor_api_{request.param}")
+def launch(tmp_path_factory, world: int) -> Path:
+    out = tmp_path_factory.mktemp(f"dtensor_api_{world}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    torchrun([ROOT / "tests/dtensor_api_worker.py", out], env=env, cwd=ROOT, timeout=900, nproc=request.param)
-    return request.param, out
+    torchrun([ROOT / "tests/dtensor_api_worker.py", out], env=env, cwd=ROOT, timeout=900, nproc=world)
+    return out
 
 
-@pytest.mark.parametrize("backend", worker.BACKENDS)
-@pytest.mark.parametrize("case", [*worker.CASES, "mesh_2d"])
-def test_sharded_dtensor_equals_one_process(ranks, case, backend):
-    world, out = ranks
-    if case == "mesh_2d" and world != 4:
-        pytest.skip("the 2-D mesh needs 4 ranks")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return launch(tmp_path_factory, 4)
+
+
+def assert_equals_one_process(out: Path, world: int, case: str, backend: str) -> None:
     shape, got, dx, dparams = torch.load(out / f"{case}_{backend}.pt", weights_only=True)
     want_shape, want, want_dx, want_dparams = worker.run(case, backend, world)
     assert shape == want_shape  # the global shape, uneven shards too
@@ -40,3 +45,15 @@ def test_sharded_dtensor_equals_one_process(ranks, case, backend):
     assert dparams.keys() == want_dparams.keys()
     for name in want_dparams:
         torch.testing.assert_close(dparams[name], want_dparams[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("backend", worker.BACKENDS)
+@pytest.mark.parametrize("case", worker.CASES)
+def test_two_ranks_equal_one_process(two_ranks, case, backend):
+    assert_equals_one_process(two_ranks, 2, case, backend)
+
+
+@pytest.mark.parametrize("backend", worker.BACKENDS)
+@pytest.mark.parametrize("case", worker.FOUR_RANK_CASES)
+def test_four_ranks_equal_one_process(four_ranks, case, backend):
+    assert_equals_one_process(four_ranks, 4, case, backend)
