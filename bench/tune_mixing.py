@@ -508,7 +508,7 @@ def sweep_coefficients_split():
             for cfg in configs:
                 for fin in finishes if cfg == (128, 64, 8, 3, 4) else finishes[:1]:
                     mhc_coefficients.coefficients_split_config = lambda n, d, tokens, sms, cfg=cfg: cfg
-                    mhc_coefficients.coefficients_finish_config = lambda n, few, fin=fin: fin
+                    mhc_coefficients.coefficients_finish_config = lambda n, few, decode=False, fin=fin: fin
                     _uncached()
                     call = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
                     out = call()
@@ -592,7 +592,7 @@ def sweep_small_tokens_epilogues():
             fwd = lambda: kernels.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6)
             split = mhc_coefficients.coefficients_split_config(STREAMS, dim, T, mhc_coefficients.sm_count(x.device))
             for cfg in finishes if split is not None else []:
-                mhc_coefficients.coefficients_finish_config = lambda n, few, cfg=cfg: cfg
+                mhc_coefficients.coefficients_finish_config = lambda n, few, decode=False, cfg=cfg: cfg
                 _uncached()
                 _time_graph(f"fwd d={dim} T={T} split {split} finish {cfg}", fwd, 2 * x.numel() * 2)
             mhc_coefficients.coefficients_finish_config = original
