@@ -64,22 +64,6 @@ def kernel_count(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _coefficients():
-    import mhc.kernels.mhc_coefficients
-
-    return mhc.kernels.mhc_coefficients
-
-
-def _post_mix_apart(sites, x):
-    """Chained sites with the seam's post-mix in a kernel of its own (the fusion's comparison)."""
-    module = _coefficients()
-    module.SEAM_IN_PROJECTION = False
-    try:
-        return through(sites, x, True)
-    finally:
-        module.SEAM_IN_PROJECTION = True
-
-
 def through(sites, x, chain: bool):
     if not chain:
         for site in sites:
@@ -114,8 +98,6 @@ def stack_rows(dims, tokens_list, n: int):
             arms = {"plain": plain}
             arms["mhc"] = lambda x=x: through(sites, x, False)
             arms["mhc chained"] = lambda x=x: through(sites, x, True)
-            if hasattr(_coefficients(), "SEAM_IN_PROJECTION"):
-                arms["mhc chained, post-mix apart"] = lambda x=x: _post_mix_apart(sites, x)
             with torch.no_grad():
                 times = {name: replay_ms(graphed(fn)) for name, fn in arms.items()}
                 kernels = {name: kernel_count(fn) for name, fn in arms.items()}
@@ -159,7 +141,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(self.norm(h)).view(B, 1, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
         self.k.index_copy_(2, self.pos, k)
         self.v.index_copy_(2, self.pos, v)
-        mask = torch.arange(self.k.shape[2], device=h.device) <= self.pos
+        mask = (torch.arange(self.k.shape[2], device=h.device) <= self.pos)[None, :]
         o = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(B, 1, -1))
 

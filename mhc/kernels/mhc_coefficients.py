@@ -16,14 +16,15 @@ projection first and a block of tokens (``BLOCK_T * N * D`` values) does not fit
 sizes, so ``x`` is read twice; the second pass walks the chunks backwards, so the most recently
 read come from L2.
 
-At n = 5..8, at n <= 4 where ``n * d >= 16384``, and at n <= 4 where tokens are too few for a
-program of 64 tokens per SM (``few_tokens``), the projection is split over ``K``: programs
+At n = 5..8, at n <= 4 where ``n * d >= 16384``, at n <= 4 where tokens are too few for a
+program of 64 tokens per SM (``few_tokens``), and when decoding (``decoding``: at most 64 tokens),
+the projection is split over ``K``: programs
 over (tile of 128 tokens, range of columns) write partial projections and sums of squares
 (``projection_partial_kernel``), and ``coefficients_finish_kernel`` adds them in a fixed order,
 then runs the same epilogue, pre-mix and Sinkhorn core. Every tile of tokens reads all of ``phi``
 (10 MiB at d = 4096, n = 8) from L2: wider tiles read it fewer times, and the split keeps the SMs
 busy with fewer of them. Where tokens are few the tiles are 64 tokens wide and the finishing
-kernel's 8 (dev/LOG.md, "Kernels where tokens are few").
+kernel's 8 (dev/LOG.md, "Kernels where tokens are few"); when decoding the finishing kernel's 1.
 
 The backward is split in two passes because the input gradient of the projection needs every
 coefficient's gradient first:
@@ -56,7 +57,7 @@ import triton
 import triton.language as tl
 
 from mhc.kernels._arch import arch
-from mhc.kernels._checks import F32, check_positive, check_streams, check_tensor
+from mhc.kernels._checks import check_positive, check_streams, check_tensor
 from mhc.kernels._launch import (
     LaunchPlan,
     launch,
@@ -70,7 +71,7 @@ from mhc.kernels._launch import (
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
-from mhc.kernels.stream_mix import MAX_STREAMS, stream_mix_fwd_unchecked
+from mhc.kernels.stream_mix import MAX_STREAMS
 
 
 @triton.jit
@@ -225,17 +226,10 @@ def project_tokens(
     SPLIT_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    y_ptr=None,
-    h_post_ptr=None,
-    h_res_ptr=None,
-    x_out_ptr=None,
-    D=1,
-    ONE_STREAM: tl.constexpr = False,
 ):
     """``(acc_pp, acc_res, sum_sq)``: the projection ``v @ phi`` of the tokens ``o_t`` over the
     columns ``[k_begin, k_end)`` of ``v``, split into its ``[pre | post]`` and ``res`` column tiles,
-    and the sum of squares of the same columns. With ``y_ptr`` (:func:`post_mixed_block`) ``v`` is
-    the previous site's post-mix of ``x``, stored to ``x_out_ptr`` as it is projected."""
+    and the sum of squares of the same columns."""
     M: tl.constexpr = 2 * N + N * N
     o_pp = tl.arange(0, NPP)
     o_res = tl.arange(0, NRES)
@@ -246,11 +240,7 @@ def project_tokens(
     for k0 in range(k_begin, k_end, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = o_k < k_end
-        m_x = t_ok[:, None] & k_ok[None, :]
-        if y_ptr is None:
-            b_x = tl.load(x_ptr + o_t[:, None] * K + o_k[None, :], mask=m_x, other=0.0)
-        else:
-            b_x = post_mixed_block(x_ptr, y_ptr, h_post_ptr, h_res_ptr, x_out_ptr, o_t, o_k, m_x, K, D, N, ONE_STREAM)
+        b_x = tl.load(x_ptr + o_t[:, None] * K + o_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         b_xf = b_x.to(tl.float32)
         sum_sq += tl.sum(b_xf * b_xf, axis=1)
         p_phi = phi_ptr + o_k[:, None] * M
@@ -260,43 +250,6 @@ def project_tokens(
         acc_pp += _dot_fp32(b_x, b_phi_pp, SPLIT_BF16)
         acc_res += _dot_fp32(b_x, b_phi_res, SPLIT_BF16)
     return acc_pp, acc_res, sum_sq
-
-
-@triton.jit
-def post_mixed_block(
-    x_ptr, y_ptr, h_post_ptr, h_res_ptr, x_out_ptr, o_t, o_k, m, K, D, N: tl.constexpr, ONE_STREAM: tl.constexpr
-):
-    """The block ``[o_t, o_k]`` of the post-mix ``x' = h_res @ x + h_post (x) y`` (flattened
-    ``[T, K]``, ``K = N * D``) of ``x [T, N, D]``, ``y [T, D]``, fp32 ``h_post [T, N]`` and
-    ``h_res [T, N, N]``, rounded to ``x``'s dtype and stored to ``x_out [T, N, D]``. Sums in the
-    order of ``mhc.kernels.stream_mix``'s forward. ``ONE_STREAM``: the block's columns lie in one
-    stream (the block width divides ``D``), whose coefficients are then one value per token."""
-    t_ok = tl.max(m.to(tl.int32), axis=1) > 0
-    if ONE_STREAM:
-        j = tl.min(o_k, axis=0) // D
-        c = o_k - j * D
-        o_w = o_t * (N * N) + j * N  # [BLOCK_T]
-        o_b = o_t * N + j
-    else:
-        j = o_k // D  # the output stream of each column, and its channel
-        c = o_k - j * D
-        o_w = o_t[:, None] * (N * N) + j[None, :] * N
-        o_b = o_t[:, None] * N + j[None, :]
-    acc = tl.zeros(m.shape, dtype=tl.float32)
-    for i in tl.static_range(N):
-        if ONE_STREAM:
-            w = tl.load(h_res_ptr + o_w + i, mask=t_ok, other=0.0)[:, None]
-        else:
-            w = tl.load(h_res_ptr + o_w + i, mask=m, other=0.0)
-        acc += w * tl.load(x_ptr + o_t[:, None] * K + i * D + c[None, :], mask=m, other=0.0).to(tl.float32)
-    if ONE_STREAM:
-        b = tl.load(h_post_ptr + o_b, mask=t_ok, other=0.0)[:, None]
-    else:
-        b = tl.load(h_post_ptr + o_b, mask=m, other=0.0)
-    acc += b * tl.load(y_ptr + o_t[:, None] * D + c[None, :], mask=m, other=0.0).to(tl.float32)
-    b_x = acc.to(x_out_ptr.dtype.element_ty)
-    tl.store(x_out_ptr + o_t[:, None] * K + o_k[None, :], b_x, mask=m)
-    return b_x
 
 
 @triton.jit(do_not_specialize=["T", "eps", "hc_eps"])
@@ -368,13 +321,7 @@ def projection_partial_kernel(
     # tiles of the projection over its columns, then the sum of squares
     x_ptr,
     phi_ptr,
-    # POST_MIX (forward only, chained sites): the streams projected are the previous site's
-    # post-mix of x, x_out = h_res @ x + h_post (x) y, written here; else unused
-    y_ptr,
-    h_post_ptr,
-    h_res_ptr,
     partial_ptr,
-    x_out_ptr,
     T,
     D,
     k_split,
@@ -384,8 +331,6 @@ def projection_partial_kernel(
     SPLIT_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    POST_MIX: tl.constexpr = False,
-    ONE_STREAM: tl.constexpr = False,
 ):
     W: tl.constexpr = NPP + NRES + 1
     K = N * D
@@ -394,15 +339,9 @@ def projection_partial_kernel(
     t_ok = o_t < T
     k_begin = i_s * k_split
     k_end = tl.minimum(k_begin + k_split, K)
-    if POST_MIX:
-        acc_pp, acc_res, sum_sq = project_tokens(
-            x_ptr, phi_ptr, o_t, t_ok, k_begin, k_end, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K,
-            y_ptr, h_post_ptr, h_res_ptr, x_out_ptr, D, ONE_STREAM,
-        )  # fmt: skip
-    else:
-        acc_pp, acc_res, sum_sq = project_tokens(
-            x_ptr, phi_ptr, o_t, t_ok, k_begin, k_end, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K
-        )
+    acc_pp, acc_res, sum_sq = project_tokens(
+        x_ptr, phi_ptr, o_t, t_ok, k_begin, k_end, K, N, NPP, NRES, SPLIT_BF16, BLOCK_T, BLOCK_K
+    )
     row = partial_ptr + (o_t + i_s * T) * W
     tl.store(row[:, None] + tl.arange(0, NPP)[None, :], acc_pp, mask=t_ok[:, None])
     tl.store(row[:, None] + NPP + tl.arange(0, NRES)[None, :], acc_res, mask=t_ok[:, None])
@@ -734,69 +673,13 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
         )
         return outputs
     partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
-    inputs = (x, phi, x, x, x)  # no post-mix: its pointers unused
-    launch(projection_partial_kernel, main.grid, inputs, (partial, partial), (T, d, plan.k_split), main.meta, main.key)
-    _finish(plan, x, partial, alpha, bias, outputs, T, d, eps, hc_eps)
-    return outputs
-
-
-def _finish(plan, x, partial, alpha, bias, outputs, T, d, eps, hc_eps) -> None:
+    launch(projection_partial_kernel, main.grid, (x, phi), (partial,), (T, d, plan.k_split), main.meta, main.key)
     finish = plan.finish
     scalars = (T, d, plan.partial[0], plan.mix_chunks, eps, hc_eps)
     launch(
         coefficients_finish_kernel, finish.grid, (x, partial, alpha, bias), outputs, scalars, finish.meta, finish.key
     )
-
-
-def seam_fwd(x, y, h_post, h_res, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
-    """Forward only: a site's post-mix ``x' = h_res @ x + h_post (x) y`` of streams ``x [..., N, D]``
-    and its branch output ``y [..., D]`` (fp32 ``h_post [T, N]``, ``h_res [T, N, N]``), then the
-    next site's coefficients and pre-mix of ``x'`` (its ``phi``, ``alpha``, ``bias``).
-
-    Returns :func:`coefficients_fwd`'s outputs followed by ``x'`` (``x``'s dtype). Where the
-    coefficients are split over ``K`` (few tokens: decoding) the projection computes ``x'`` as it
-    reads it, one launch fewer and one pass over the streams less; otherwise the post-mix kernel
-    runs first. Either way the values are those of the two launches apart.
-    """
-    check_streams(x, "x", MAX_STREAMS)
-    *lead, n, d = x.shape
-    T, M = math.prod(lead), 2 * n + n * n
-    check_tensor(y, "y", (*lead, d), device=x.device)
-    check_tensor(h_post, "h_post", (T, n), F32, x.device)
-    check_tensor(h_res, "h_res", (T, n, n), F32, x.device)
-    for name, t, shape in (("phi", phi, (n * d, M)), ("alpha", alpha, (3,)), ("bias", bias, (M,))):
-        check_tensor(t, name, shape, device=x.device)
-    check_positive(iters, "iters")
-    return seam_fwd_unchecked(x, y, h_post, h_res, phi, alpha, bias, iters, eps, hc_eps)
-
-
-SEAM_IN_PROJECTION = True  # the post-mix inside the split projection (False: its own kernel first)
-
-
-def seam_fwd_unchecked(x, y, h_post, h_res, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
-    """:func:`seam_fwd` without the argument checks."""
-    *lead, n, d = x.shape
-    n, d, T = static(n), static(d), math.prod(lead)
-    plan = T and per_size(_forward_plan, T)(n, d, T, iters, hc_eps > 0, _split_bf16(x), x.device)
-    if not plan or plan.finish is None or not SEAM_IN_PROJECTION:
-        x_next = stream_mix_fwd_unchecked(x, h_res, y, h_post)
-        return (*coefficients_fwd_unchecked(x_next, phi, alpha, bias, iters, eps, hc_eps), x_next)
-    x, y = x.contiguous(), y.contiguous()
-    h_post, h_res = h_post.contiguous(), h_res.contiguous()
-    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
-    x_next = torch.empty_like(x)
-    x_in = torch.empty((*lead, d), dtype=x.dtype, device=x.device)
-    outputs = (x_in, *per_token_outputs(T, n, x.device))
-    partial = torch.empty(plan.partial, dtype=torch.float32, device=x.device)
-    main = plan.main
-    # the post-mix's loads pipelined over stages would take more shared memory than an SM has
-    one_stream = d % main.meta["BLOCK_K"] == 0 and plan.k_split % main.meta["BLOCK_K"] == 0
-    meta = dict(main.meta, POST_MIX=True, ONE_STREAM=one_stream, num_stages=1)
-    key = (*main.key, "post-mix", one_stream)
-    scalars = (T, d, plan.k_split)
-    launch(projection_partial_kernel, main.grid, (x, phi, y, h_post, h_res), (partial, x_next), scalars, meta, key)
-    _finish(plan, x_next, partial, alpha, bias, outputs, T, d, eps, hc_eps)
-    return (*outputs, x_next)
+    return outputs
 
 
 def per_token_outputs(T: int, n: int, device):
@@ -951,13 +834,13 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
         return ForwardPlan(LaunchPlan((cdiv(T, block_t),), meta, key))
     block_t, block_k, num_warps, num_stages, waves = config
     splits, k_split = k_splits(T, n * d, block_t, block_k, waves, device)
-    meta = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k, POST_MIX=False, ONE_STREAM=False)
+    meta = dict(**cols, SPLIT_BF16=split_bf16, BLOCK_T=block_t, BLOCK_K=block_k)
     meta.update(num_warps=num_warps, num_stages=num_stages)
     main = LaunchPlan((cdiv(T, block_t), splits), meta, ("projection_partial", config, n, split_bf16))
     decode = decoding(n, d, T)
     few = decode or few_tokens(n, d, T, sms)
     finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few, decode)
-    block_s = finish_split_block(splits, finish_t, cols["NRES"])
+    block_s = finish_split_block(splits, finish_t, cols["NRES"], decode)
     meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, BLOCK_S=block_s, ROLES=few)
     meta.update(num_warps=finish_warps)
     tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_d)
@@ -1046,9 +929,7 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     "Launch choices".
     """
     stages = min(3, arch().max_stages)
-    if decoding(n, d, tokens):
-        return DECODE_TILE, 64, 4, stages, 4
-    if few_tokens(n, d, tokens, sms):
+    if few_tokens(n, d, tokens, sms) or decoding(n, d, tokens):
         return SMALL_TILE, 64, 4, stages, 4
     if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
         return 128, 64, 8, stages, 4
@@ -1066,14 +947,13 @@ def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
 
 def decoding(n: int, d: int, tokens) -> bool:
     """Whether the forward takes the decoding tiles: at most ``DECODE_TOKENS`` tokens (n <= 8,
-    ``n * d >= 1024``). There a site's time is latency: the split over ``K`` spreads the
-    projection over about one program per SM, its finishing kernel runs a program per token and
-    adds every split's partial at once (``python -m bench.decode --tables profile``)."""
+    ``n * d >= 1024``). There a site's time is latency: the projection takes the small-token split
+    over ``K``, and the finishing kernel runs a program per token that adds every split's partial
+    in one or two loads (``python -m bench.decode --tables profile``)."""
     return n <= 8 and n * d >= 1024 and type(tokens) is int and tokens <= DECODE_TOKENS
 
 
 DECODE_TOKENS = 64
-DECODE_TILE = 16  # tokens per projection program when decoding (tl.dot takes 16 rows at least)
 
 
 def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple[int, int, int]:
@@ -1086,10 +966,11 @@ def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple
     return (8, 128, 4) if few else (32, 128, 4)
 
 
-def finish_split_block(splits: int, block_t: int, nres: int) -> int:
+def finish_split_block(splits: int, block_t: int, nres: int, decode: bool = False) -> int:
     """Splits whose partial projections ``coefficients_finish_kernel`` adds at once: up to 2048
-    values of its widest tile (16 per thread)."""
-    return max(1, min(next_pow2(splits), 2048 // (block_t * nres)))
+    values of its widest tile (16 per thread), 4096 when decoding (one token per program, which
+    holds little else)."""
+    return max(1, min(next_pow2(splits), (4096 if decode else 2048) // (block_t * nres)))
 
 
 def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> tuple[int, int]:

@@ -27,8 +27,8 @@ from mhc import reference
 from mhc._checks import check_same_device, check_streams_shape
 from mhc._compat import materialized
 from mhc.ops.local import as_dtensor, local_like, local_parameters, local_tokens
-from mhc.ops.mixing import MHCSeamFunction, PostMixFunction, seam_forward
-from mhc.ops.path import choose, forward_only
+from mhc.ops.mixing import MHCSeamFunction, PostMixFunction
+from mhc.ops.path import choose
 from mhc.ops.rebuild import function_args, function_outputs, reference_scope
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "KeepStreams", "KEEP_STREAMS"]
@@ -253,10 +253,6 @@ class FusedFinish:
         if not (next.source.fused_coefficients and choose(next.backend, x, "mixing", site.n_streams) == "triton"):
             return _returned(rest, *next._split(self._post_mix(y, schedule, next), layout))
         next._set_layout(layout)
-        if forward_only():  # nothing to save or recompute: one op, one launch fewer where tokens are few
-            params = next.source.fused_parameters(next)
-            args = (x, y, self.h_post, self.h_res, params, next.sinkhorn_iters, next.rms_eps, next.hc_eps)
-            return _returned(rest, *next._fused_finish(*seam_forward(*args), None))
         args = (
             x,
             y,

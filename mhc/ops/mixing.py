@@ -28,7 +28,7 @@ from mhc.ops.library import kernel_op, kernels
 from mhc.ops.rebuild import steps_of
 from mhc.ops.sinkhorn import sinkhorn_bwd_launch
 
-__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam", "seam_forward"]
+__all__ = ["pre_mix", "post_mix", "mhc_pre_mix", "mhc_seam"]
 
 
 def _waited_gradients(backward):
@@ -116,28 +116,6 @@ def _coefficients_fwd_op(
     return kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
 
-def _seam_fwd_fake(x, y, h_post, h_res, phi, alpha, bias, iters, eps, hc_eps):
-    return (*_coefficients_fwd_fake(x, phi, alpha, bias, iters, eps, hc_eps), torch.empty_like(x))
-
-
-@kernel_op("mhc::mhc_seam_fwd", _seam_fwd_fake)
-def _seam_fwd_op(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    h_post: torch.Tensor,
-    h_res: torch.Tensor,
-    phi: torch.Tensor,
-    alpha: torch.Tensor,
-    bias: torch.Tensor,
-    iters: int,
-    eps: float,
-    hc_eps: float,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    return kernels().mhc_coefficients.seam_fwd_unchecked(x, y, h_post, h_res, phi, alpha, bias, iters, eps, hc_eps)
-
-
 def _coefficients_bwd_fake(x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps):
     # the parameters' gradients, packed [vec(dphi) | dbias | dalpha], are fp32 whatever their dtype
     return torch.empty_like(x), x.new_empty((phi.numel() + p.shape[1] + 3,), dtype=torch.float32)
@@ -185,7 +163,6 @@ _OPS = SimpleNamespace(
     stream_mix_fwd=lambda *a: torch.ops.mhc.stream_mix_fwd(*a),
     stream_mix_bwd=_stream_mix_bwd_compiled,
     coefficients_fwd=lambda *a: torch.ops.mhc.mhc_coefficients_fwd(*a),
-    seam_fwd=lambda *a: torch.ops.mhc.mhc_seam_fwd(*a),
     coefficients_bwd=lambda *a: torch.ops.mhc.mhc_coefficients_bwd(*a),
     stream_recompute=lambda *a: torch.ops.mhc.stream_recompute(*a),
 )
@@ -204,7 +181,6 @@ def _launchers(x: torch.Tensor):
             stream_mix_fwd=k.stream_mix.stream_mix_fwd_unchecked,
             stream_mix_bwd=k.stream_mix.stream_mix_bwd_unchecked,
             coefficients_fwd=k.mhc_coefficients.coefficients_fwd_unchecked,
-            seam_fwd=k.mhc_coefficients.seam_fwd_unchecked,
             coefficients_bwd=k.mhc_coefficients.coefficients_bwd_packed,
             stream_recompute=lambda x, h_res, y, h_post, after: k.stream_mix.stream_mix_fwd_unchecked(
                 x, h_res, y, h_post
@@ -533,17 +509,6 @@ class MHCSeamFunction(torch.autograd.Function):
             None,
             *after[3:],
         )
-
-
-def seam_forward(x, y, h_post, h_res, params, iters: int, eps: float, hc_eps: float = 0.0):
-    """:class:`MHCSeamFunction`'s forward alone, for callers that record no autograd graph
-    (:func:`mhc.ops.path.forward_only`: decoding): ``(x_in, h_post, h_res, x_pass)`` of the next
-    site. Where tokens are few, its post-mix runs inside the projection kernel
-    (``mhc.kernels.mhc_coefficients.seam_fwd``)."""
-    x_in, _, _, _, h_post, _, h_res, x_pass = _launchers(x).seam_fwd(
-        x.contiguous(), y, h_post, h_res, *params, iters, eps, hc_eps
-    )
-    return x_in, h_post, h_res, x_pass
 
 
 # ------------------------------------------------------------------------------ functionals

@@ -18,7 +18,7 @@ from mhc._checks import MAX_EPS_N, MAX_N, MAX_STREAMS, check_no_transform
 from mhc._compat import transforms_active, without_values
 from mhc.ops.library import kernels
 
-__all__ = ["choose", "forward_only", "OPS"]
+__all__ = ["choose", "OPS"]
 
 # per kind of op: the largest n its kernels take, what they are called in errors, and under transforms
 OPS = {
@@ -60,9 +60,3 @@ def _choose_loss(backend: str, x: torch.Tensor) -> str:
         kernels().check_device(x)
     # a fake CUDA tensor has no data for a kernel to read: the same passes as PyTorch ops
     return "torch" if without_values(x) else backend
-
-
-def forward_only() -> bool:
-    """Whether the fused path may run forward-only ops, which record nothing for a backward:
-    under ``torch.no_grad()`` and ``torch.inference_mode()`` (decoding)."""
-    return not torch.is_grad_enabled()
