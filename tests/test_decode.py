@@ -87,6 +87,7 @@ def _sites(n, d, backend, hc_eps=0.0, seed=0):
 
 SITE_CASES = [
     ("no_grad", 4, 257, 1, 0.0, False),
+    ("fp64", 3, 343, 2, 0.0, True),
     ("inference_mode", 4, 257, 3, 1e-3, True),
     ("no_grad", 2, 513, 7, 1e-3, True),
     ("inference_mode", 8, 129, 2, 0.0, False),
@@ -100,9 +101,12 @@ def test_sites_forward_only_match_the_reference(mode, n, d, tokens, hc_eps, chai
     fused, reference = _sites(n, d, "triton", hc_eps), _sites(n, d, "torch", hc_eps)
     for a, b in zip(fused, reference):
         b.load_state_dict(a.state_dict())
+    dtype = torch.float64 if mode == "fp64" else torch.float32
+    if mode == "fp64":
+        fused, reference = [s.double() for s in fused], [s.double() for s in reference]
     # strided streams: every other channel of a wider tensor
-    x = torch.randn(tokens, n, 2 * d, device=DEVICE)[..., ::2]
-    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    x = torch.randn(tokens, n, 2 * d, device=DEVICE, dtype=dtype)[..., ::2]
+    context = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
     with context:
         got = through_sites(fused, x, chain)
         want = through_sites(reference, x.contiguous(), chain)

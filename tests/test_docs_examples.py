@@ -22,6 +22,7 @@ NOT_HERE = {
     ("README.md", 3): "patch_deepseek_v4 on a transformers DeepSeek-V4 model (tests/test_deepseek_v4.py)",
     ("docs/compile.md", 0): "an AOTInductor build (tests/test_export.py)",
     ("docs/compile.md", 1): "a CUDA graph of a training step (tests/test_capture_gpu.py)",
+    ("docs/decode.md", 0): "a CUDA graph of a decode step (tests/test_decode.py)",
     ("docs/deepseek_v4.md", 0): "from_pretrained downloads a checkpoint",
     ("docs/distributed.md", 0): "a process group (tests/test_distributed.py)",
     ("docs/distributed.md", 1): "a 2-D device mesh (tests/test_sequence_parallel.py)",
