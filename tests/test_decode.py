@@ -144,8 +144,11 @@ def test_decoding_sites_in_a_cuda_graph_and_compiled_with_reduce_overhead(tokens
         with torch.cuda.graph(graph):
             captured = through_sites(sites, x, chain=True)
         graph.replay()
-        torch.testing.assert_close(captured, want, rtol=0, atol=0)
+        # the branches' matmuls (k = 4096) may take other cuBLAS or Inductor kernels: fp32 sums in
+        # another order, through three sites
+        tol = dict(rtol=1e-4, atol=2e-4)
+        torch.testing.assert_close(captured, want, **tol)
         compiled = torch.compile(lambda x: through_sites(sites, x, chain=False), mode="reduce-overhead")
         for _ in range(3):  # warm-up, recording, replay
             got = compiled(x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol)
