@@ -46,8 +46,11 @@ def _inputs(tokens, n, d, seed=0):
     return tuple(t.to(DEVICE) for t in (x, phi, alpha, bias))
 
 
-@pytest.mark.parametrize("n, d, tokens", CASES)
-@pytest.mark.parametrize("hc_eps", [0.0, 1e-3])
+# DeepSeek-V4's hc_eps (its own Sinkhorn core) at two widths: the tiles do not depend on it
+EPS_CASES = [(*c, 0.0) for c in CASES] + [(*c, 1e-3) for c in CASES if HAS_CUDA or c[:2] in ((4, 257), (8, 129))]
+
+
+@pytest.mark.parametrize("n, d, tokens, hc_eps", EPS_CASES)
 def test_the_decoding_tiles_match_one_pass(n, d, tokens, hc_eps, monkeypatch, nan_poison):
     x, phi, alpha, bias = _inputs(tokens, n, d, seed=tokens)
     plan = mhc_coefficients._forward_plan(n, d, tokens, 20, hc_eps > 0, False, x.device)
