@@ -78,6 +78,7 @@ def test_the_split_rule_boundary(sms):
 def test_a_symbolic_token_count_takes_the_rule_for_many_tokens():
     """A graph compiled for any token count must not guard on it: no small-token split there."""
     tokens = ShapeEnv().create_unbacked_symint()
+    assert not mhc_coefficients.decoding(4, 1024, tokens)
     assert mhc_coefficients.coefficients_split_config(4, 1024, tokens, SMS) is None
     assert mhc_coefficients.coefficients_split_config(4, 4096, tokens, SMS) == LARGE_SPLIT
 
