@@ -23,7 +23,7 @@ from mhc._autocast import autocast_enabled, autocast_off
 from mhc._autograd import refuse_double_backward
 from mhc._checks import BACKENDS, FLOAT_DTYPES, check_no_transform
 from mhc._compat import without_values
-from mhc.ops.path import choose
+from mhc.ops.path import choose_loss
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
@@ -453,7 +453,7 @@ def linear_cross_entropy(
     label_smoothing, lse_square_scale, softcap = _check_loss_options(
         weight, vocab, input.device, label_smoothing, lse_square_scale, softcap, return_z_loss
     )
-    backend = choose(backend, input, "loss")
+    backend = choose_loss(backend, input)
     x = input.reshape(target.numel(), dim).contiguous()
     t = target.reshape(-1).long()
     class_weight = None if weight is None else weight.to(_compute_dtype(x.dtype)).contiguous()

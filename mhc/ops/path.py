@@ -1,7 +1,8 @@
 """Which implementation runs an op: the one place that decides.
 
 Every public entry point (``sinkhorn``, a site, ``LaneMixer``, ``stream_collapse``, the fused
-loss) takes ``backend="auto" | "triton" | "torch"`` and asks :func:`choose` once per call:
+loss) takes ``backend="auto" | "triton" | "torch"`` and asks :func:`choose` (the loss:
+:func:`choose_loss`) once per call:
 
 - ``"auto"``: the Triton kernels for CUDA tensors the kernels take (``n`` within their limit,
   the loss's dtypes), the PyTorch reference everywhere else: on a CPU, and under ``torch.func``
@@ -18,7 +19,7 @@ from mhc._checks import MAX_EPS_N, MAX_N, MAX_STREAMS, check_no_transform
 from mhc._compat import transforms_active, without_values
 from mhc.ops.library import kernels
 
-__all__ = ["choose", "OPS"]
+__all__ = ["choose", "choose_loss", "OPS"]
 
 # per kind of op: the largest n its kernels take, what they are called in errors, and under transforms
 OPS = {
@@ -29,13 +30,11 @@ OPS = {
 LOSS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def choose(backend: str, x: torch.Tensor, op: str, n: int | None = None) -> str:
-    """``"triton"`` or ``"torch"`` for ``op`` (``"sinkhorn"``, ``"sinkhorn_eps"``, ``"mixing"`` or
-    ``"loss"``) on tensors like ``x`` with ``n`` streams (matrices ``[n, n]``); ``backend`` as the
-    caller was given it (checked there). Raises ``ValueError`` / ``RuntimeError`` where
-    ``backend="triton"`` cannot run."""
-    if op == "loss":
-        return _choose_loss(backend, x)
+def choose(backend: str, x: torch.Tensor, op: str, n: int) -> str:
+    """``"triton"`` or ``"torch"`` for ``op`` (``"sinkhorn"``, ``"sinkhorn_eps"`` or ``"mixing"``)
+    on tensors like ``x`` with ``n`` streams (matrices ``[n, n]``); ``backend`` as the caller was
+    given it (checked there). Raises ``ValueError`` / ``RuntimeError`` where ``backend="triton"``
+    cannot run."""
     limit, kernels_name, under_transforms = OPS[op]
     if backend == "auto":
         return "triton" if x.is_cuda and n <= limit and not transforms_active() else "torch"
@@ -47,7 +46,8 @@ def choose(backend: str, x: torch.Tensor, op: str, n: int | None = None) -> str:
     return backend
 
 
-def _choose_loss(backend: str, x: torch.Tensor) -> str:
+def choose_loss(backend: str, x: torch.Tensor) -> str:
+    """:func:`choose` for the fused linear cross-entropy on inputs like ``x [..., features]``."""
     if x.shape[-1] == 0:  # no features: the logits are the bias (or 0), no product to fuse
         return "torch"
     if backend == "auto":
