@@ -64,6 +64,16 @@ def check_same_device(t: torch.Tensor, device: torch.device, what: str, where: s
         raise ValueError(f"{what} is on {t.device}, {where} on {device}")
 
 
+def check_site_input(x: torch.Tensor, n: int, dim: int, parameters) -> None:
+    """Streams ``x [..., n, dim]`` on the device of every tensor of ``parameters`` (``None``
+    entries skipped): the kernels take the parameters' addresses as they are, with no driver check
+    per launch."""
+    check_streams_shape(x, n, dim, "x")
+    for p in parameters:
+        if p is not None:
+            check_same_device(x, p.device, "x", "the layer's parameters")
+
+
 def check_operand(t, shapes: tuple, what: str, device: torch.device, where: str = "x") -> None:
     """A floating-point tensor of one of ``shapes`` (tuples) on ``device`` (``where``'s)."""
     check_floating(t, what)

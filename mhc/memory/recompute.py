@@ -22,7 +22,7 @@ from torch import nn
 
 from mhc._compat import in_backward, top_saved_tensor_hooks
 from mhc.modules.site import KEEP_STREAMS, Site
-from mhc.ops.rebuild import Plan, StreamsAt
+from mhc.ops.rebuild import Plan, StreamsAt, reference_scope
 
 __all__ = ["recompute_streams", "optimal_block", "StreamRecompute"]
 
@@ -124,6 +124,11 @@ class StreamRecompute:
     def next_at(self) -> StreamsAt | None:
         """The cache of the position after the next step (``None`` under ``torch.compile``)."""
         return None if torch.compiler.is_compiling() else StreamsAt(self.at)
+
+    def scope(self, plan: Plan | None, x: torch.Tensor, step, compiled: str = "raise"):
+        """The reference path's ops on streams ``x`` save what rebuilds them from ``plan``
+        (:func:`mhc.ops.rebuild.reference_scope`)."""
+        return reference_scope(plan, x, step, compiled)
 
     def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None, site=None) -> None:
         """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of

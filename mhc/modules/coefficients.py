@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 
 from mhc.ops.mixing import MHCPreMixFunction, PreMixFunction, fused_mix
-from mhc.ops.rebuild import function_args, function_outputs, note_conversion, reference_scope
+from mhc.ops.rebuild import function_args, function_outputs, note_conversion
 from mhc.ops.sinkhorn import sinkhorn
 from mhc.reference.site import biases, coefficient_dtype, gates, rms_inverse
 
@@ -119,7 +119,7 @@ class DynamicHC:
 
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         T = math.prod(x.shape[:-2])
-        with reference_scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
+        with site._recompute.scope(plan, x, fused_mix, compiled="keep"):  # the ops below save x
             coefficients = self.reference(site, x)
         h_pre, h_post, h_res = (c.reshape(T, *c.shape[x.dim() - 2 :]).float() for c in coefficients)
         x_in, x_pass = function_outputs(plan, PreMixFunction.apply(x, h_pre, *function_args(plan)))

@@ -21,15 +21,17 @@ instead of two). Everywhere else ``next=`` composes the two steps.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mhc import reference
-from mhc._checks import check_same_device, check_streams_shape
+from mhc._checks import check_same_device, check_site_input
 from mhc._compat import materialized
 from mhc.ops.local import as_dtensor, local_like, local_parameters, local_tokens
 from mhc.ops.mixing import MHCSeamFunction, PostMixFunction
 from mhc.ops.path import choose
-from mhc.ops.rebuild import function_args, function_outputs, reference_scope
+from mhc.ops.rebuild import function_args, function_outputs
 
 __all__ = ["Site", "ReferenceFinish", "FusedFinish", "KeepStreams", "KEEP_STREAMS"]
 
@@ -60,6 +62,11 @@ class KeepStreams:
 
     def advance(self, x, step, out, at, site=None) -> None:
         pass
+
+    def scope(self, plan, x, step, compiled: str = "raise"):
+        """The context PyTorch ops of a site run in on streams ``x``; ``step`` is the post-mix
+        that rebuilds them. Here nothing: the ops save what they save."""
+        return contextlib.nullcontext()
 
 
 KEEP_STREAMS = KeepStreams()
@@ -132,7 +139,7 @@ class Site:
         a ``DTensor`` ``x``: its tokens' coefficients on this rank)."""
         x, layout = local_tokens(x, 2, type(self).__name__)
         self._set_layout(layout)
-        self._check_input(x)
+        check_site_input(x, self.n_streams, self.dim, self.mixing_parameters())
         n, lead = self.n_streams, x.shape[:-2]
         if (
             self.source is not None
@@ -155,21 +162,23 @@ class Site:
         ``DTensor`` streams sharded over their tokens run as their local shards; ``x_in`` and the
         streams ``finish`` returns are ``DTensor``\\ s of the same layout (:mod:`mhc.ops.local`).
         """
-        x, layout = local_tokens(x, 2, type(self).__name__)
-        return self._split(x, layout)
+        return self._split(x)
 
-    def _split(self, x: torch.Tensor, layout):
-        """:meth:`split` on the local streams ``x`` of ``layout`` (``None``: not a ``DTensor``)."""
+    def _split(self, x: torch.Tensor, layout=None):
+        """:meth:`split` of streams ``x``, or of the local streams ``x`` of ``layout`` (a chained
+        site hands over its output's)."""
+        if layout is None:
+            x, layout = local_tokens(x, 2, type(self).__name__)
         self._set_layout(layout)
-        self._check_input(x)
         path = choose(self.backend, x, "mixing", self.n_streams)
+        check_site_input(x, self.n_streams, self.dim, self.mixing_parameters())
         schedule = self._recompute
         plan = schedule.plan(x, path)
         if path == "triton":
             x_in, _, h_post, h_res, x_pass = self.source.fused_start(self, x, plan, with_h_pre=False)
             schedule.begin(x_pass, path) if plan is None else schedule.passes(x, x_pass)
             return self._fused_finish(x_in, h_post, h_res, x_pass, plan)
-        with reference_scope(plan, x, reference.post_mix):
+        with schedule.scope(plan, x, reference.post_mix):
             h_pre, h_post, h_res = self.source.reference(self, x)
             x_in = reference.pre_mix(x, h_pre)
         if plan is None:
@@ -182,13 +191,6 @@ class Site:
         # effect that torch.compile cannot trace there (the region would run uncompiled)
         if self._layout is not layout:
             self._layout = layout
-
-    def _check_input(self, x) -> None:
-        # every parameter: the kernels take their addresses as they are (no driver check per launch)
-        check_streams_shape(x, self.n_streams, self.dim, "x")
-        for p in self.mixing_parameters():
-            if p is not None:
-                check_same_device(x, p.device, "x", "the layer's parameters")
 
     def _fused_finish(self, x_in, h_post, h_res, x_pass, plan):
         if self._recorder is not None:  # the reshape only while recording: it costs host time per site
@@ -223,9 +225,9 @@ class ReferenceFinish:
         y, rest = branch_output(y, x.shape[:-2] + x.shape[-1:], x.device, self.layout)
         if next is not None:
             self.site._check_next(next)
-        with reference_scope(self.plan, x, reference.post_mix):
-            out = reference.post_mix(x, self.h_res, y, self.h_post)
         schedule = self.site._recompute
+        with schedule.scope(self.plan, x, reference.post_mix):
+            out = reference.post_mix(x, self.h_res, y, self.h_post)
         last = self.site if next is None else None
         schedule.advance(x, (self.h_res, y, self.h_post), out, schedule.next_at(), last)
         if next is None:
