@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.harness import through_sites, write_csv
+
 SITES = 16
 
 
@@ -64,19 +66,6 @@ def kernel_count(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def through(sites, x, chain: bool):
-    if not chain:
-        for site in sites:
-            x = site(x)
-        return x
-    x_in, finish = sites[0].split(x)
-    for site, nxt in zip(sites, list(sites[1:]) + [None]):
-        y = site.branch(x_in)
-        if nxt is None:
-            return finish(y)
-        x_in, finish = finish(y, next=nxt)
-
-
 # ------------------------------------------------------------------------------ the stack
 
 
@@ -96,8 +85,8 @@ def stack_rows(dims, tokens_list, n: int):
                 return h
 
             arms = {"plain": plain}
-            arms["mhc"] = lambda x=x: through(sites, x, False)
-            arms["mhc chained"] = lambda x=x: through(sites, x, True)
+            arms["mhc"] = lambda x=x: through_sites(sites, x, False)
+            arms["mhc chained"] = lambda x=x: through_sites(sites, x, True)
             with torch.no_grad():
                 times = {name: replay_ms(graphed(fn)) for name, fn in arms.items()}
                 kernels = {name: kernel_count(fn) for name, fn in arms.items()}
@@ -175,7 +164,7 @@ class GPT(nn.Module):
         h = self.embed(tokens)
         if self.n:
             mixing = _mhc()
-            h = mixing.reduce_streams(through(list(self.sites), mixing.expand_streams(h, self.n), chain))
+            h = mixing.reduce_streams(through_sites(list(self.sites), mixing.expand_streams(h, self.n), chain))
         else:
             for b in self.branches:
                 h = h + b(h)
@@ -256,7 +245,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.root:
         sys.path.insert(0, os.path.abspath(args.root))
-    from bench.harness import write_csv
 
     torch.backends.cuda.matmul.allow_tf32 = True
     for table in args.tables:

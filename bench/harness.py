@@ -19,6 +19,21 @@ def peak_extra(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def through_sites(sites, x, chain: bool):
+    """The streams ``x`` through hyper-connection ``sites`` (each around its own ``branch``),
+    called one by one or chained (``finish(y, next=)``)."""
+    if not chain:
+        for site in sites:
+            x = site(x)
+        return x
+    x_in, finish = sites[0].split(x)
+    for site, nxt in zip(sites, list(sites[1:]) + [None]):
+        y = site.branch(x_in)
+        if nxt is None:
+            return finish(y)
+        x_in, finish = finish(y, next=nxt)
+
+
 def write_csv(rows: list[dict], path: str, fields: list[str]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:

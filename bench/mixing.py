@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.harness import peak_extra, write_csv
+from bench.harness import peak_extra, through_sites, write_csv
 from mhc.memory.checkpoint import checkpoint_layers, checkpoint_policy
 from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, expand_streams, reduce_streams
@@ -266,13 +266,7 @@ class GPT(nn.Module):
         if self.arm == "plain":
             h = self._run_layers(h)
         elif self.arm == "mhc-chain":
-            x_in, finish = self.blocks[0].split(expand_streams(h, self.n))
-            for site, nxt in zip(self.blocks, list(self.blocks[1:]) + [None]):
-                y = site.branch(x_in)
-                if nxt is None:
-                    h = reduce_streams(finish(y))
-                else:
-                    x_in, finish = finish(y, next=nxt)
+            h = reduce_streams(through_sites(self.blocks, expand_streams(h, self.n), chain=True))
         else:
             h = reduce_streams(self._run_layers(expand_streams(h, self.n)))
         logits = self.head(self.norm(h))

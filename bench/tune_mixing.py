@@ -43,7 +43,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from bench.harness import dev_tool_args
+from bench.harness import dev_tool_args, through_sites
 from mhc import kernels
 from mhc.kernels import _launch, mhc_coefficients, stream_mix
 
@@ -117,14 +117,7 @@ def launch_overhead():
     wc = torch.randn_like(xc)
 
     def chained():
-        x_in, finish = chain[0].split(xc)
-        for site, nxt in zip(chain, chain[1:] + [None]):
-            y = site.branch(x_in)
-            if nxt is None:
-                out = finish(y)
-            else:
-                x_in, finish = finish(y, next=nxt)
-        out.backward(wc)
+        through_sites(chain, xc, chain=True).backward(wc)
 
     arms[f"one site of a chain of {sites}"] = (nn.ModuleList(chain), chained, sites)
     times = {(arm, fresh): [] for arm in arms for fresh in (False, True)}

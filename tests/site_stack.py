@@ -1,10 +1,11 @@
 """The model of the compiled-graph tests: HyperConnection sites, each around its own branch, on a
 hidden state widened to ``n`` streams and reduced back, called one by one or chained
-(``finish(y, next=)``), and that loop over sites for the other tests' models; and
-:func:`model_kinds`, one small model per way the layers are used."""
+(``finish(y, next=)``; the loop is ``bench.harness.through_sites``, which the other tests' models
+use too); and :func:`model_kinds`, one small model per way the layers are used."""
 
 from torch import nn
 
+from bench.harness import through_sites
 from mhc.memory.checkpoint import checkpoint_layers
 from mhc.memory.recompute import recompute_streams
 from mhc.mixing import HyperConnection, LaneMixer, StreamCollapse, expand_streams, reduce_streams
@@ -21,21 +22,6 @@ class SiteStack(nn.Module):
 
     def forward(self, h):
         return reduce_streams(through_sites(self.sites, expand_streams(h, self.n), self.chain))
-
-
-def through_sites(sites, x, chain: bool):
-    """The streams ``x`` through ``sites`` (each around its own ``branch``), called one by one or
-    chained (``finish(y, next=)``)."""
-    if not chain:
-        for site in sites:
-            x = site(x)
-        return x
-    x_in, finish = sites[0].split(x)
-    for site, nxt in zip(sites, list(sites[1:]) + [None]):
-        y = site.branch(x_in)
-        if nxt is None:
-            return finish(y)
-        x_in, finish = finish(y, next=nxt)
 
 
 class CheckpointedStack(SiteStack):

@@ -922,11 +922,11 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     16384``); below that its partial sums cost more than the parallelism gives
     (``python -m bench.tune_mixing coefficients-split [n=8]``).
 
-    Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``): the
-    one-pass grid leaves SMs idle, and the split over 64-token tiles fills them
-    (``python -m bench.tune_mixing small-tokens``). A symbolic token count (a graph compiled for
-    any count) takes the rule for many tokens: no guard on the count. Measurements: dev/LOG.md,
-    "Launch choices".
+    Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``), and
+    decoding (:func:`decoding`, up to n = 8): the one-pass grid leaves SMs idle, and the split
+    over 64-token tiles fills them (``python -m bench.tune_mixing small-tokens``). A symbolic
+    token count (a graph compiled for any count) takes the rule for many tokens: no guard on the
+    count. Measurements: dev/LOG.md, "Launch choices".
     """
     stages = min(3, arch().max_stages)
     if few_tokens(n, d, tokens, sms) or decoding(n, d, tokens):
