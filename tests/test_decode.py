@@ -2,8 +2,9 @@
 and sites forward only under ``torch.no_grad()`` and ``torch.inference_mode()``.
 
 - The decoding tiles (a program per token in the finishing kernel, every split's partial added
-  at once) equal the one-pass kernel at 1 to 64 tokens, n = 1 to 8, odd widths, with and without
-  ``hc_eps``.
+  at once, the Sinkhorn on the matrix's entries) equal the one-pass kernel at 1 to 64 tokens,
+  n = 1 to 8, odd widths, with and without ``hc_eps``; the entries' Sinkhorn equals the fp64
+  reference at n = 1 to 8.
 - Sites (called as modules and chained) on the fused path equal the reference path forward only,
   at 0 to 64 tokens, n = 1 to the fused maximum, on strided and non-contiguous streams.
 
@@ -13,10 +14,15 @@ count is 4); GPU: the device's own count, at model widths too.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mhc.kernels import mhc_coefficients
 from mhc.kernels._launch import forget_launch_plans
+from mhc.kernels.sinkhorn import sinkhorn_entries
+from mhc.kernels.sinkhorn_eps import sinkhorn_eps_entries
 from mhc.mixing import HyperConnection
+from mhc.reference import sinkhorn_eps, sinkhorn_stable
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from tests.site_stack import through_sites
 from tests.test_mixing_fused import Branch
@@ -68,11 +74,41 @@ def test_the_decoding_rule_and_its_split_blocks():
     assert mhc_coefficients.decoding(4, 256, 64) and not mhc_coefficients.decoding(4, 256, 65)
     assert not mhc_coefficients.decoding(4, 255, 1)  # K < 1024: one pass
     assert not mhc_coefficients.decoding(9, 4096, 1)  # n > 8: one pass
-    # every split of a 1-token tile at n = 4 in one load up to 256 splits, then in 256 at a time
-    assert mhc_coefficients.finish_split_block(256, 1, 16, decode=True) == 256
-    assert mhc_coefficients.finish_split_block(448, 1, 16, decode=True) == 256
-    assert mhc_coefficients.finish_split_block(3, 1, 64, decode=True) == 4
+    # every split of a 1-token tile at n = 4 in one load up to 128 splits, then 128 at a time
+    assert mhc_coefficients.finish_split_block(128, 1, 16) == 128
+    assert mhc_coefficients.finish_split_block(448, 1, 16) == 128
+    assert mhc_coefficients.finish_split_block(3, 1, 64) == 4
     assert mhc_coefficients.finish_split_block(256, 8, 16) == 16
+    # a projection program per SM, then one-warp finishing programs, a token each
+    plan = mhc_coefficients._forward_plan(4, 4096, 1, 20, False, False, torch.device(DEVICE))
+    assert plan.main.grid == (1, 128) and plan.finish.meta["num_warps"] == 1
+    assert plan.finish.meta["DECODE"] and plan.finish.grid[0] == 1
+    plan = mhc_coefficients._forward_plan(4, 4096, 65, 20, False, False, torch.device(DEVICE))
+    assert not plan.finish.meta["DECODE"]
+
+
+@triton.jit
+def _sinkhorn_entries_kernel(z_ptr, out_ptr, eps, ITERS: tl.constexpr, N: tl.constexpr, HAS_EPS: tl.constexpr):
+    """A matrix per program through the decoding Sinkhorn (``sinkhorn_entries``)."""
+    o = tl.program_id(0).to(tl.int64) * (N * N) + tl.arange(0, 1)
+    z = ()
+    for e in tl.static_range(N * N):
+        z = z + (tl.load(z_ptr + o + e),)
+    h = sinkhorn_eps_entries(z, eps, ITERS, N) if HAS_EPS else sinkhorn_entries(z, ITERS, N)
+    for e in tl.static_range(N * N):
+        tl.store(out_ptr + o + e, h[e])
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("iters, eps", [(1, 0.0), (2, 0.0), (20, 0.0), (1, 1e-3), (3, 1e-3), (20, 1e-3)])
+def test_the_entries_sinkhorn_matches_the_reference(n, iters, eps):
+    """fp32 logits at three scales (a softmax near one-hot at the largest) against the fp64 oracle."""
+    g = torch.Generator().manual_seed(n * 100 + iters)
+    z = torch.randn(12, n, n, generator=g) * torch.tensor([0.1, 1.0, 8.0]).repeat_interleave(4)[:, None, None]
+    out = torch.empty_like(z, device=DEVICE)
+    _sinkhorn_entries_kernel[(z.shape[0],)](z.to(DEVICE), out, eps, iters, n, eps > 0)
+    want = sinkhorn_eps(z.double(), iters, eps) if eps > 0 else sinkhorn_stable(z.double(), iters)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2e-5, atol=1e-6)
 
 
 def _sites(n, d, backend, hc_eps=0.0, seed=0):

@@ -25,7 +25,9 @@ N = 4
 DIM = 1024 if HAS_CUDA else 40
 SMS = 132  # an H100's
 TILE = mhc_coefficients.SMALL_TILE
-SMALL_SPLIT = mhc_coefficients.coefficients_split_config(4, 1024, 1, SMS)  # the tiles where tokens are few
+# the tiles where tokens are few, and when decoding: the same tiles, a program per SM
+SMALL_SPLIT = mhc_coefficients.coefficients_split_config(4, 1024, mhc_coefficients.DECODE_TOKENS + 1, SMS)
+DECODE_SPLIT = mhc_coefficients.coefficients_split_config(4, 1024, 1, SMS)
 LARGE_SPLIT = mhc_coefficients.coefficients_split_config(8, 64, 10**6, SMS)  # n = 8 / large K
 
 
@@ -59,7 +61,10 @@ def test_the_split_is_chosen_where_one_pass_programs_are_fewer_than_sms(tokens, 
     assert mhc_coefficients.few_tokens(n, d, tokens, sms) == (n <= 4 and n * d >= 1024 and few)
     decode = n <= 8 and n * d >= 1024 and tokens <= mhc_coefficients.DECODE_TOKENS
     assert mhc_coefficients.decoding(n, d, tokens) == decode
-    if (n <= 4 and n * d >= 1024 and few) or decode:
+    assert DECODE_SPLIT == (*SMALL_SPLIT[:4], 1)
+    if decode:
+        assert config == DECODE_SPLIT
+    elif n <= 4 and n * d >= 1024 and few:
         assert config == SMALL_SPLIT and config[0] == TILE
     elif 4 < n <= 8 or (n <= 4 and n * d >= 16384):
         assert config == LARGE_SPLIT
@@ -70,7 +75,8 @@ def test_the_split_is_chosen_where_one_pass_programs_are_fewer_than_sms(tokens, 
 @pytest.mark.parametrize("sms", [1, 132])
 def test_the_split_rule_boundary(sms):
     last_few = TILE * sms
-    assert mhc_coefficients.coefficients_split_config(4, 1024, last_few, sms) == SMALL_SPLIT
+    small = DECODE_SPLIT if last_few <= mhc_coefficients.DECODE_TOKENS else SMALL_SPLIT
+    assert mhc_coefficients.coefficients_split_config(4, 1024, last_few, sms) == small
     assert mhc_coefficients.coefficients_split_config(4, 1024, last_few + 1, sms) is None
     assert mhc_coefficients.coefficients_split_config(4, 4096, last_few + 1, sms) == LARGE_SPLIT
 
@@ -259,21 +265,19 @@ FORWARD_CASES = [(t, e) for t in BOUNDARY_TOKENS for e in (0.0, 1e-6) if HAS_CUD
 @pytest.mark.parametrize("tokens, hc_eps", FORWARD_CASES)
 def test_forward_split_matches_one_pass_at_the_boundaries(tokens, hc_eps, h100_sms, monkeypatch, nan_poison):
     x, phi, alpha, bias = _inputs(tokens, seed=tokens)
+    small = DECODE_SPLIT if mhc_coefficients.decoding(N, DIM, tokens) else SMALL_SPLIT
     if HAS_CUDA:  # the launcher's own choice at the model width
-        assert (
-            mhc_coefficients.coefficients_split_config(N, DIM, tokens, mhc_coefficients.sm_count(x.device))
-            == SMALL_SPLIT
-        )
+        assert mhc_coefficients.coefficients_split_config(N, DIM, tokens, mhc_coefficients.sm_count(x.device)) == small
     outputs = {}
     monkeypatch.setattr(mhc_coefficients, "few_tokens", lambda *args: True)  # the split's small-token finish
-    for split in (None, SMALL_SPLIT):
+    for split in (None, small):
         monkeypatch.setattr(mhc_coefficients, "coefficients_split_config", lambda n, d, t, s, split=split: split)
         forget_launch_plans()
         outputs[split] = mhc_coefficients.coefficients_fwd(x, phi, alpha, bias, 20, 1e-6, hc_eps)
-    block_t, block_k, _, _, waves = SMALL_SPLIT
+    block_t, block_k, _, _, waves = small
     splits, _ = mhc_coefficients.k_splits(tokens, N * DIM, block_t, block_k, waves, x.device)
     assert splits > 1  # partial projections of several programs are added
-    for name, got, want in zip(FORWARD, outputs[SMALL_SPLIT], outputs[None]):
+    for name, got, want in zip(FORWARD, outputs[small], outputs[None]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 

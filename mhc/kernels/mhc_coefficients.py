@@ -69,8 +69,8 @@ from mhc.kernels._launch import (
     traced_into_graph,
 )
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, next_pow2
-from mhc.kernels.sinkhorn import sinkhorn_rows
-from mhc.kernels.sinkhorn_eps import sinkhorn_eps_rows
+from mhc.kernels.sinkhorn import sinkhorn_entries, sinkhorn_rows
+from mhc.kernels.sinkhorn_eps import sinkhorn_eps_entries, sinkhorn_eps_rows
 from mhc.kernels.stream_mix import MAX_STREAMS
 
 
@@ -209,6 +209,33 @@ def sinkhorn_epilogue(
     else:
         h_res = sinkhorn_rows(z, ITERS, N, NP, BLOCK_T)
     _store_rows(h_res_ptr, offs, m, h_res, N)
+
+
+@triton.jit
+def sinkhorn_entries_epilogue(
+    z_res_ptr,
+    h_res_ptr,
+    o_t,
+    t_ok,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    N: tl.constexpr,
+):
+    """Sinkhorn of the tokens ``o_t``'s matrices read back as their ``N * N`` entries, every
+    entry held by every thread, so that each step is elementwise (``sinkhorn_entries``) where the
+    rows' form reduces across threads at every step: the ``2 * ITERS`` steps are a decoding
+    site's longest chain."""
+    tl.debug_barrier()
+    z = ()
+    for e in tl.static_range(N * N):
+        z = z + (tl.load(z_res_ptr + o_t * (N * N) + e, mask=t_ok, other=0.0),)
+    if HAS_EPS:
+        h = sinkhorn_eps_entries(z, hc_eps, ITERS, N)
+    else:
+        h = sinkhorn_entries(z, ITERS, N)
+    for e in tl.static_range(N * N):
+        tl.store(h_res_ptr + o_t * (N * N) + e, h[e], mask=t_ok)
 
 
 @triton.jit
@@ -379,6 +406,7 @@ def coefficients_finish_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ROLES: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """``ROLES``: a grid ``(token tiles, 1 + pre-mix programs)`` whose programs of a tile run side
     by side: the first the coefficients and their Sinkhorn (latency: serial iterations), the
@@ -386,7 +414,8 @@ def coefficients_finish_kernel(
     programs than there are tiles); each adds up the partial projections. Otherwise one program
     per tile does both jobs, one after the other. The partials are added ``BLOCK_S`` splits at a
     time: where tokens are few there are hundreds of splits, and one load each in a row is a
-    chain of memory latencies."""
+    chain of memory latencies. ``DECODE`` (with ``ROLES``, a token per program): the Sinkhorn on
+    the matrix's entries (:func:`sinkhorn_entries_epilogue`)."""
     eps, hc_eps = fp32_arg(eps), fp32_arg(hc_eps)
     W: tl.constexpr = NPP + NRES + 1
     i_t = tl.program_id(0)
@@ -395,17 +424,20 @@ def coefficients_finish_kernel(
     acc_pp = tl.zeros([BLOCK_T, NPP], dtype=tl.float32)
     acc_res = tl.zeros([BLOCK_T, NRES], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    # the coefficients' program stores them (without ROLES the grid has one column: every program);
+    # a pre-mix program reads only the partials of h_pre and of the sum of squares
+    coefficients = tl.program_id(1) == 0
     o_pp = tl.arange(0, NPP)[None, None, :]
     o_res = tl.arange(0, NRES)[None, None, :]
+    read_pp = o_pp < tl.where(coefficients, 2 * N, N)
+    read_res = o_res < tl.where(coefficients, N * N, 0)
     for s0 in range(0, splits, BLOCK_S):  # in a fixed order: deterministic
         o_s = s0 + tl.arange(0, BLOCK_S)
         m = t_ok[:, None] & (o_s < splits)[None, :]
         row = partial_ptr + (o_t[:, None] + o_s[None, :] * T) * W  # [BLOCK_T, BLOCK_S]
-        acc_pp += tl.sum(tl.load(row[:, :, None] + o_pp, mask=m[:, :, None], other=0.0), axis=1)
-        acc_res += tl.sum(tl.load(row[:, :, None] + NPP + o_res, mask=m[:, :, None], other=0.0), axis=1)
+        acc_pp += tl.sum(tl.load(row[:, :, None] + o_pp, mask=m[:, :, None] & read_pp, other=0.0), axis=1)
+        acc_res += tl.sum(tl.load(row[:, :, None] + NPP + o_res, mask=m[:, :, None] & read_res, other=0.0), axis=1)
         sum_sq += tl.sum(tl.load(row + NPP + NRES, mask=m, other=0.0), axis=1)
-    # the coefficients' program stores them (without ROLES the grid has one column: every program)
-    coefficients = tl.program_id(1) == 0
     h_pp = coefficients_epilogue(
         acc_pp,
         acc_res,
@@ -429,7 +461,10 @@ def coefficients_finish_kernel(
     )
     if ROLES:
         if coefficients:
-            sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
+            if DECODE:
+                sinkhorn_entries_epilogue(z_res_ptr, h_res_ptr, o_t, t_ok, hc_eps, ITERS, HAS_EPS, N)
+            else:
+                sinkhorn_epilogue(z_res_ptr, h_res_ptr, i_t, T, hc_eps, ITERS, HAS_EPS, N, NP, BLOCK_T)
         else:
             first_chunk = (tl.program_id(1) - 1) * mix_chunks
             pre_mix_pass(x_ptr, x_in_ptr, h_pp, hc_eps, o_t, t_ok, D, first_chunk, mix_chunks, N, NPP, BLOCK_T, BLOCK_D)
@@ -840,8 +875,8 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
     decode = decoding(n, d, T)
     few = decode or few_tokens(n, d, T, sms)
     finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few, decode)
-    block_s = finish_split_block(splits, finish_t, cols["NRES"], decode)
-    meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, BLOCK_S=block_s, ROLES=few)
+    block_s = finish_split_block(splits, finish_t, cols["NRES"])
+    meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, BLOCK_S=block_s, ROLES=few, DECODE=decode)
     meta.update(num_warps=finish_warps)
     tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_d)
     if few:  # a program for the coefficients, then one per share of the chunks
@@ -849,7 +884,7 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
         grid = (tiles, 1 + cdiv(chunks, mix_chunks))
     else:
         mix_chunks, grid = chunks, (tiles,)
-    finish = LaunchPlan(grid, meta, ("coefficients_finish", finish_config, n, iters, has_eps, few, block_s))
+    finish = LaunchPlan(grid, meta, ("coefficients_finish", finish_config, n, iters, has_eps, few, decode, block_s))
     width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
     return ForwardPlan(main, finish, (splits, T, width), k_split, mix_chunks)
 
@@ -924,12 +959,16 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
 
     Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``), and
     decoding (:func:`decoding`, up to n = 8): the one-pass grid leaves SMs idle, and the split
-    over 64-token tiles fills them (``python -m bench.tune_mixing small-tokens``). A symbolic
+    over 64-token tiles fills them (``python -m bench.tune_mixing small-tokens``). Decoding takes
+    one program per SM: more splits cost the finishing kernel more partials to add than their
+    shorter columns save (``python -m bench.decode --tables profile``). A symbolic
     token count (a graph compiled for any count) takes the rule for many tokens: no guard on the
     count. Measurements: dev/LOG.md, "Launch choices".
     """
     stages = min(3, arch().max_stages)
-    if few_tokens(n, d, tokens, sms) or decoding(n, d, tokens):
+    if decoding(n, d, tokens):
+        return SMALL_TILE, 64, 4, stages, 1
+    if few_tokens(n, d, tokens, sms):
         return SMALL_TILE, 64, 4, stages, 4
     if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
         return 128, 64, 8, stages, 4
@@ -947,9 +986,10 @@ def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
 
 def decoding(n: int, d: int, tokens) -> bool:
     """Whether the forward takes the decoding tiles: at most ``DECODE_TOKENS`` tokens (n <= 8,
-    ``n * d >= 1024``). There a site's time is latency: the projection takes the small-token split
-    over ``K``, and the finishing kernel runs a program per token that adds every split's partial
-    in one or two loads (``python -m bench.decode --tables profile``)."""
+    ``n * d >= 1024``). There a site's time is latency: the projection is split over ``K`` into a
+    program per SM, and the finishing kernel runs a one-warp program per token that adds every
+    split's partial in one or two loads and runs the Sinkhorn on the matrix's entries
+    (``python -m bench.decode --tables profile``)."""
     return n <= 8 and n * d >= 1024 and type(tokens) is int and tokens <= DECODE_TOKENS
 
 
@@ -960,17 +1000,17 @@ def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles, twice
     the programs of 64-token ones. After the small-token split (``few``), 8-token tiles: four times
     the programs, which only pays where tokens are few (``python -m bench.tune_mixing
-    small-tokens-epilogues``). When ``decode``-ing, one token per program."""
+    small-tokens-epilogues``). When ``decode``-ing, one token per one-warp program: its
+    reductions stay within the warp."""
     if decode:
-        return 1, 128, 4
+        return 1, 128, 1
     return (8, 128, 4) if few else (32, 128, 4)
 
 
-def finish_split_block(splits: int, block_t: int, nres: int, decode: bool = False) -> int:
+def finish_split_block(splits: int, block_t: int, nres: int) -> int:
     """Splits whose partial projections ``coefficients_finish_kernel`` adds at once: up to 2048
-    values of its widest tile (16 per thread), 4096 when decoding (one token per program, which
-    holds little else)."""
-    return max(1, min(next_pow2(splits), (4096 if decode else 2048) // (block_t * nres)))
+    values of its widest tile (16 per thread at 4 warps, 64 at the decoding tiles' one)."""
+    return max(1, min(next_pow2(splits), 2048 // (block_t * nres)))
 
 
 def k_splits(T: int, K: int, block_t: int, block_k: int, waves: int, device) -> tuple[int, int]:

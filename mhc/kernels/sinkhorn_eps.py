@@ -95,6 +95,58 @@ def sinkhorn_eps_rows(x, eps, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.const
 
 
 @triton.jit
+def sinkhorn_eps_entries(x, eps, ITERS: tl.constexpr, N: tl.constexpr):
+    """:func:`sinkhorn_eps_rows` of matrices held as their ``N * N`` entries (as
+    ``mhc.kernels.sinkhorn.sinkhorn_entries``): every step elementwise, for decoding."""
+    b = ()  # per column: its max and the reciprocal of its sum of exponentials
+    for j in tl.static_range(N):
+        col_max = x[j]
+        for i in tl.static_range(1, N):
+            col_max = tl.maximum(col_max, x[i * N + j])
+        col_sum = tl.exp(x[j] - col_max)
+        for i in tl.static_range(1, N):
+            col_sum += tl.exp(x[i * N + j] - col_max)
+        b = b + (col_max, reciprocal(col_sum))
+    base = ()
+    for i in tl.static_range(N):
+        for j in tl.static_range(N):
+            base = base + (tl.exp(x[i * N + j] - b[2 * j]) * b[2 * j + 1] + eps,)
+    one = tl.zeros_like(x[0]) + 1.0
+    u = ()
+    v = ()
+    for i in tl.static_range(N):
+        u = u + (one,)
+        v = v + (one,)
+    u = _eps_row_step_entries(base, u, v, eps, N)
+    for i_it in range(ITERS - 1):
+        v_new = ()
+        for j in tl.static_range(N):
+            t = base[j] * u[0]
+            for i in tl.static_range(1, N):
+                t += base[i * N + j] * u[i]
+            v_new = v_new + (v[j] * reciprocal(v[j] * t + eps),)
+        v = v_new
+        u = _eps_row_step_entries(base, u, v, eps, N)
+    out = ()
+    for i in tl.static_range(N):
+        for j in tl.static_range(N):
+            out = out + (u[i] * base[i * N + j] * v[j],)
+    return out
+
+
+@triton.jit
+def _eps_row_step_entries(base, u, v, eps, N: tl.constexpr):
+    """``u <- u / (u (B v) + eps)`` on entries."""
+    out = ()
+    for i in tl.static_range(N):
+        s = base[i * N] * v[0]
+        for j in tl.static_range(1, N):
+            s += base[i * N + j] * v[j]
+        out = out + (u[i] * reciprocal(u[i] * s + eps),)
+    return out
+
+
+@triton.jit
 def sinkhorn_eps_rows_bwd(x, g, eps, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
     """``dL/dx`` of :func:`sinkhorn_eps_rows` for ``g = dL/dout``, recomputing every scaling."""
     col_ok = tl.arange(0, NP)[None, :] < N
