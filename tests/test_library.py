@@ -34,7 +34,6 @@ def _register(monkeypatch, triton_op: bool):
     return probe, seen
 
 
-@pytest.mark.skipif(not hasattr(torch.library, "triton_op"), reason="torch.library.triton_op needs PyTorch >= 2.6")
 def test_triton_op_body_runs_with_launches_traced(monkeypatch):
     probe, seen = _register(monkeypatch, True)
     x = torch.randn(5)
@@ -57,8 +56,6 @@ def test_custom_op_leaves_launches_alone(monkeypatch):
 
 
 def test_tracing_is_restored_when_the_body_raises(monkeypatch):
-    if not hasattr(torch.library, "triton_op"):
-        pytest.skip("torch.library.triton_op needs PyTorch >= 2.6")
     monkeypatch.setattr(_library, "TRITON_OP", True)
 
     @_library.kernel_op(f"mhc_test::raises_{next(_names)}", None)
@@ -75,16 +72,12 @@ def test_tracing_is_restored_when_the_body_raises(monkeypatch):
     [
         ({"TRITON_INTERPRET": "1"}, False),
         ({"MHC_TRITON_OP": "0"}, False),
-        (
-            {"TRITON_INTERPRET": "0", "MHC_TRITON_OP": "1"},
-            hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None,
-        ),
+        ({"TRITON_INTERPRET": "0", "MHC_TRITON_OP": "1"}, importlib.util.find_spec("triton") is not None),
     ],
 )
 def test_which_registration_the_environment_picks(env, expected):
     """Decided at import: the interpreter's kernels cannot be traced, ``MHC_TRITON_OP=0`` asks for
-    the opaque ops, and otherwise ``triton_op`` wherever PyTorch has it; the package's ops are
-    registered either way."""
+    the opaque ops, and otherwise ``triton_op``; the package's ops are registered either way."""
     code = (
         "import torch, mhc.ops.mixing, mhc.layer\nfrom mhc.ops import library as _library\n"
         "assert hasattr(torch.ops.mhc, 'stream_mix_fwd') and hasattr(torch.ops.mhc, 'sinkhorn_fwd')\n"

@@ -1,14 +1,13 @@
 """How the Triton launchers become ``torch.library`` ops that ``torch.compile`` and ``torch.export``
 trace.
 
-``torch.library.triton_op`` (PyTorch >= 2.6) registers an op whose body the compiler traces: the
+``torch.library.triton_op`` registers an op whose body the compiler traces: the
 Triton kernels it launches through ``torch.library.wrap_triton`` appear in the compiled graph and
 Inductor launches them from its own generated code (Python, ``cpp_wrapper`` C++ or an AOTInductor
 package), with no Python op wrapper or launcher of ours per kernel. ``torch.library.custom_op`` is
 opaque: the compiled graph calls back into Python for every op. :func:`kernel_op` registers a
 launcher as a ``triton_op`` where it can and as a ``custom_op`` otherwise:
 
-- PyTorch older than 2.6 (no ``triton_op``);
 - ``TRITON_INTERPRET=1``: the interpreter's kernels cannot be traced (they are not compiled
   ``JITFunction``\\ s) and Inductor would compile them for the CPU;
 - ``MHC_TRITON_OP=0``: the opaque ops on purpose (comparison, debugging);
@@ -43,8 +42,7 @@ from mhc._compat import write_analysis as _write_analysis
 __all__ = ["TRITON_OP", "REGISTERED", "kernel_op", "kernels"]
 
 TRITON_OP = (
-    hasattr(torch.library, "triton_op")
-    and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    os.environ.get("TRITON_INTERPRET", "0") != "1"
     and os.environ.get("MHC_TRITON_OP", "1") != "0"
     and importlib.util.find_spec("triton") is not None
 )
