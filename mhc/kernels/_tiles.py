@@ -78,6 +78,54 @@ def reciprocal(x):
 
 
 @triton.jit
+def entries_column_exp(x, N: tl.constexpr):
+    """Of matrices held as their ``N * N`` entries (``x[i * N + j]``, one value per matrix each):
+    per column ``j`` its max and the sum of ``exp(x - max)``, as ``(max_0, sum_0, max_1, ...)``."""
+    out = ()
+    for j in tl.static_range(N):
+        col_max = x[j]
+        for i in tl.static_range(1, N):
+            col_max = tl.maximum(col_max, x[i * N + j])
+        col_sum = tl.exp(x[j] - col_max)
+        for i in tl.static_range(1, N):
+            col_sum += tl.exp(x[i * N + j] - col_max)
+        out = out + (col_max, col_sum)
+    return out
+
+
+@triton.jit
+def entries_sums(k, w, N: tl.constexpr, COLUMNS: tl.constexpr):
+    """On entries: the column sums of ``K^T w`` (``COLUMNS``), else the row sums of ``K w``."""
+    out = ()
+    for a in tl.static_range(N):
+        s = k[a] * w[0] if COLUMNS else k[a * N] * w[0]
+        for b in tl.static_range(1, N):
+            s += (k[b * N + a] if COLUMNS else k[a * N + b]) * w[b]
+        out = out + (s,)
+    return out
+
+
+@triton.jit
+def entries_ones(x, N: tl.constexpr):
+    """``N`` scalings of one, shaped as an entry of ``x``."""
+    one = tl.zeros_like(x[0]) + 1.0
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (one,)
+    return out
+
+
+@triton.jit
+def entries_scaled(u, k, v, N: tl.constexpr):
+    """The entries of ``diag(u) K diag(v)``."""
+    out = ()
+    for i in tl.static_range(N):
+        for j in tl.static_range(N):
+            out = out + (u[i] * k[i * N + j] * v[j],)
+    return out
+
+
+@triton.jit
 def centered(v, v_sum, col_ok, N: tl.constexpr):
     """Column vector ``v`` (entry sum ``v_sum``) minus its mean over the ``N`` real columns, 0 on
     padding: the component orthogonal to the null vector of the implicit backward's system."""

@@ -26,6 +26,10 @@ from mhc.kernels._tiles import (
     _row_tile,
     _store_rows,
     cdiv,
+    entries_column_exp,
+    entries_ones,
+    entries_scaled,
+    entries_sums,
     launch_config,
     next_pow2,
     reciprocal,
@@ -115,12 +119,10 @@ def sinkhorn_rows(x, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLO
 def _entries_scaling(k, w, N: tl.constexpr, COLUMNS: tl.constexpr):
     """On entries: the column step ``v = 1 / (K^T u)`` (``COLUMNS``, ``w = u``), else the row step
     ``u = 1 / (K v)`` (``w = v``)."""
+    s = entries_sums(k, w, N, COLUMNS)
     out = ()
     for a in tl.static_range(N):
-        s = k[a] * w[0] if COLUMNS else k[a * N] * w[0]
-        for b in tl.static_range(1, N):
-            s += (k[b * N + a] if COLUMNS else k[a * N + b]) * w[b]
-        out = out + (reciprocal(s),)
+        out = out + (reciprocal(s[a]),)
     return out
 
 
@@ -129,43 +131,34 @@ def sinkhorn_entries(x, ITERS: tl.constexpr, N: tl.constexpr):
     """:func:`sinkhorn_rows` of matrices held as their ``N * N`` entries, ``x[i * N + j]`` a
     tensor of one value per matrix: every step is elementwise, with no reduction across threads.
     The latency form, for a program that holds one matrix (decoding)."""
+    cols = entries_column_exp(x, N)
     log_col = ()
     for j in tl.static_range(N):
-        col_max = x[j]
-        for i in tl.static_range(1, N):
-            col_max = tl.maximum(col_max, x[i * N + j])
-        col_sum = tl.exp(x[j] - col_max)
-        for i in tl.static_range(1, N):
-            col_sum += tl.exp(x[i * N + j] - col_max)
-        log_col = log_col + (col_max + tl.log(col_sum),)
+        log_col = log_col + (cols[2 * j] + tl.log(cols[2 * j + 1]),)
     k = ()
     for i in tl.static_range(N):
-        row_max = x[i * N] - log_col[0]
+        # the first row step in the log domain, on the column-normalised logits
+        y = ()
+        for j in tl.static_range(N):
+            y = y + (x[i * N + j] - log_col[j],)
+        row_max = y[0]
         for j in tl.static_range(1, N):
-            row_max = tl.maximum(row_max, x[i * N + j] - log_col[j])
+            row_max = tl.maximum(row_max, y[j])
         e = ()
         for j in tl.static_range(N):
-            e = e + (tl.exp(x[i * N + j] - log_col[j] - row_max),)
+            e = e + (tl.exp(y[j] - row_max),)
         row_sum = e[0]
         for j in tl.static_range(1, N):
             row_sum += e[j]
         inv = reciprocal(row_sum)
         for j in tl.static_range(N):
             k = k + (e[j] * inv,)
-    one = tl.zeros_like(x[0]) + 1.0
-    u = ()
-    v = ()
-    for i in tl.static_range(N):
-        u = u + (one,)
-        v = v + (one,)
+    u = entries_ones(x, N)
+    v = entries_ones(x, N)
     for i_it in range(ITERS - 1):
         v = _entries_scaling(k, u, N, True)
         u = _entries_scaling(k, v, N, False)
-    out = ()
-    for i in tl.static_range(N):
-        for j in tl.static_range(N):
-            out = out + (u[i] * k[i * N + j] * v[j],)
-    return out
+    return entries_scaled(u, k, v, N)
 
 
 @triton.jit

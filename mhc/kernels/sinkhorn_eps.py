@@ -20,7 +20,19 @@ import triton.language as tl
 
 from mhc.kernels._checks import check_matrices, check_positive, check_tensor
 from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, static
-from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, launch_config, reciprocal
+from mhc.kernels._tiles import (
+    _load_rows,
+    _row_tile,
+    _store_rows,
+    cdiv,
+    entries_column_exp,
+    entries_ones,
+    entries_scaled,
+    entries_sums,
+    fp32_arg,
+    launch_config,
+    reciprocal,
+)
 
 MAX_EPS_N = 16  # the rows are unrolled: the fused mixing layer's range
 VALUES_PER_THREAD = 16
@@ -98,51 +110,31 @@ def sinkhorn_eps_rows(x, eps, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.const
 def sinkhorn_eps_entries(x, eps, ITERS: tl.constexpr, N: tl.constexpr):
     """:func:`sinkhorn_eps_rows` of matrices held as their ``N * N`` entries (as
     ``mhc.kernels.sinkhorn.sinkhorn_entries``): every step elementwise, for decoding."""
-    b = ()  # per column: its max and the reciprocal of its sum of exponentials
+    cols = entries_column_exp(x, N)
+    inv = ()
     for j in tl.static_range(N):
-        col_max = x[j]
-        for i in tl.static_range(1, N):
-            col_max = tl.maximum(col_max, x[i * N + j])
-        col_sum = tl.exp(x[j] - col_max)
-        for i in tl.static_range(1, N):
-            col_sum += tl.exp(x[i * N + j] - col_max)
-        b = b + (col_max, reciprocal(col_sum))
+        inv = inv + (reciprocal(cols[2 * j + 1]),)
     base = ()
     for i in tl.static_range(N):
         for j in tl.static_range(N):
-            base = base + (tl.exp(x[i * N + j] - b[2 * j]) * b[2 * j + 1] + eps,)
-    one = tl.zeros_like(x[0]) + 1.0
-    u = ()
-    v = ()
-    for i in tl.static_range(N):
-        u = u + (one,)
-        v = v + (one,)
-    u = _eps_row_step_entries(base, u, v, eps, N)
+            base = base + (tl.exp(x[i * N + j] - cols[2 * j]) * inv[j] + eps,)
+    u = entries_ones(x, N)
+    v = entries_ones(x, N)
+    u = _eps_step_entries(base, u, v, eps, N, False)
     for i_it in range(ITERS - 1):
-        v_new = ()
-        for j in tl.static_range(N):
-            t = base[j] * u[0]
-            for i in tl.static_range(1, N):
-                t += base[i * N + j] * u[i]
-            v_new = v_new + (v[j] * reciprocal(v[j] * t + eps),)
-        v = v_new
-        u = _eps_row_step_entries(base, u, v, eps, N)
-    out = ()
-    for i in tl.static_range(N):
-        for j in tl.static_range(N):
-            out = out + (u[i] * base[i * N + j] * v[j],)
-    return out
+        v = _eps_step_entries(base, v, u, eps, N, True)
+        u = _eps_step_entries(base, u, v, eps, N, False)
+    return entries_scaled(u, base, v, N)
 
 
 @triton.jit
-def _eps_row_step_entries(base, u, v, eps, N: tl.constexpr):
-    """``u <- u / (u (B v) + eps)`` on entries."""
+def _eps_step_entries(base, old, w, eps, N: tl.constexpr, COLUMNS: tl.constexpr):
+    """On entries: the column step ``v <- v / (v (B^T u) + eps)`` (``COLUMNS``, ``old = v``,
+    ``w = u``), else the row step ``u <- u / (u (B v) + eps)``."""
+    s = entries_sums(base, w, N, COLUMNS)
     out = ()
-    for i in tl.static_range(N):
-        s = base[i * N] * v[0]
-        for j in tl.static_range(1, N):
-            s += base[i * N + j] * v[j]
-        out = out + (u[i] * reciprocal(u[i] * s + eps),)
+    for a in tl.static_range(N):
+        out = out + (old[a] * reciprocal(old[a] * s[a] + eps),)
     return out
 
 
