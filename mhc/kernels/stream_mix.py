@@ -1,27 +1,13 @@
 """Stream mixing kernels: ``out[t, i] = sum_j w[t, i, j] x[t, j] + b[t, i] y[t]``, and its backward.
 
-One kernel pair serves every mix of a hyper-connection:
-
-- pre-mix, ``x_in = sum_j h_pre[j] x[j]``: ``N_OUT = 1``, ``w = h_pre``, no ``y``;
-- post + residual merge, ``out[i] = sum_j h_res[i, j] x[j] + h_post[i] y``: ``N_OUT = N``;
-- a lane mixer, ``out[i] = sum_j P[i, j] x[j]``: ``N_OUT = N``, no ``y``.
-
-Streams ``x`` are ``[T, N, D]`` in the activation dtype (the launchers take any leading dims
-``[..., N, D]``, ``T`` their product), ``y`` is ``[T, D]``, the coefficients are fp32 with a
-token stride that may be 0 (static coefficients, one set for every token). Arithmetic
-is fp32; every stream tile is read once and every output tile written once.
-
-Up to ``N = 8`` every stream is its own tile and every coefficient its own unrolled product
-(fastest); beyond, the streams form one ``[BLOCK_T, NP, BLOCK_D]`` tile and the per-token
-products over streams are batched ``tl.dot``, so that code size and compile time do not grow
-with ``N * N_OUT``.
-
-The backward reads ``dout``, ``x`` (and ``y``) once and writes ``dx = w^T dout (+ dx_acc)``,
-``dy = sum_i b_i dout_i`` and the per-token coefficient gradients ``dw[i, j] = <dout_i, x_j>``,
-``db[i] = <dout_i, y>`` (fp32, reduced over ``D`` inside the program: no atomics). Where tokens
-are few, ``D`` is split into ranges, a program per token tile and range (:func:`bwd_d_splits`),
-each writing partial ``dw`` and ``db`` that one more launch adds in a fixed order.
-``dx_acc`` lets a caller add another gradient of ``x`` in the same pass.
+One kernel pair serves every mix: the pre-mix (``N_OUT = 1``, ``w = h_pre``, no ``y``), the post-mix
+(``w = h_res``, ``b = h_post``) and a lane mixer (no ``y``). Streams ``x [T, N, D]`` in the
+activation dtype, ``y [T, D]``, fp32 coefficients whose token stride may be 0 (one set for every
+token); fp32 arithmetic, each tile read and written once. Up to ``N = 8`` each stream is its own
+tile and each coefficient an unrolled product; beyond, one ``[BLOCK_T, NP, BLOCK_D]`` tile and
+batched ``tl.dot``, so code size does not grow with ``N * N_OUT``. The backward writes
+``dx = w^T dout (+ dx_acc)``, ``dy`` and per-token ``dw``, ``db`` reduced over ``D`` in the program; where
+tokens are few ``D`` is split into ranges whose partials one more launch adds in a fixed order.
 """
 
 import math
@@ -149,213 +135,96 @@ def stream_mix_bwd_kernel(
     last = tl.minimum(first + split_chunks, tl.cdiv(D, BLOCK_D))
     dw_ptr += i_s.to(tl.int64) * T * (N_OUT * N)
     db_ptr += i_s.to(tl.int64) * T * N_OUT
+    t_ok = o_t < T
     if UNROLL:
-        _mix_bwd_unrolled(
-            x_ptr,
-            y_ptr,
-            w_ptr,
-            b_ptr,
-            dout_ptr,
-            dx_acc_ptr,
-            dx_ptr,
-            dy_ptr,
-            dw_ptr,
-            db_ptr,
-            o_t,
-            i_t,
-            first,
-            last,
-            T,
-            D,
-            stride_w,
-            stride_b,
-            N,
-            N_OUT,
-            HAS_Y,
-            WRITE_DX,
-            ACCUMULATE,
-            BLOCK_T,
-            BLOCK_D,
-        )
-    else:
-        _mix_bwd_wide(
-            x_ptr,
-            y_ptr,
-            w_ptr,
-            b_ptr,
-            dout_ptr,
-            dx_acc_ptr,
-            dx_ptr,
-            dy_ptr,
-            dw_ptr,
-            db_ptr,
-            o_t,
-            i_t,
-            first,
-            last,
-            T,
-            D,
-            stride_w,
-            stride_b,
-            N,
-            N_OUT,
-            NP,
-            HAS_Y,
-            WRITE_DX,
-            ACCUMULATE,
-            BLOCK_T,
-            BLOCK_D,
-        )
-
-
-@triton.jit
-def _mix_bwd_unrolled(
-    x_ptr,
-    y_ptr,
-    w_ptr,
-    b_ptr,
-    dout_ptr,
-    dx_acc_ptr,
-    dx_ptr,
-    dy_ptr,
-    dw_ptr,
-    db_ptr,
-    o_t,
-    i_t,
-    first,
-    last,
-    T,
-    D,
-    stride_w,
-    stride_b,
-    N: tl.constexpr,
-    N_OUT: tl.constexpr,
-    HAS_Y: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One tile per stream; one ``[BLOCK_T]`` accumulator per coefficient (n <= 8)."""
-    t_ok = o_t < T
-    dw = ()
-    for k in tl.static_range(N_OUT * N):
-        dw = dw + (tl.zeros([BLOCK_T], dtype=tl.float32),)
-    db = ()
-    for i in tl.static_range(N_OUT):
-        db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
-
-    for i_d in range(first, last):
-        _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
-        xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
-        douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
-        if HAS_Y:
-            y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-            dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-            db_new = ()
-            for i in tl.static_range(N_OUT):
-                b_i = tl.load(b_ptr + o_t * stride_b + i, mask=t_ok, other=0.0)
-                dy += b_i[:, None] * douts[i]
-                db_new = db_new + (db[i] + tl.sum(douts[i] * y, axis=1),)
-            db = db_new
-            tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
-        dw_new = ()
+        # one tile per stream; one [BLOCK_T] accumulator per coefficient (n <= 8)
+        dw = ()
+        for k in tl.static_range(N_OUT * N):
+            dw = dw + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+        db = ()
         for i in tl.static_range(N_OUT):
-            for j in tl.static_range(N):
-                dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
-        dw = dw_new
-        if WRITE_DX:
-            for j in tl.static_range(N):
-                p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
-                if ACCUMULATE:
-                    dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
-                else:
-                    dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            db = db + (tl.zeros([BLOCK_T], dtype=tl.float32),)
+
+        for i_d in range(first, last):
+            _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
+            xs = _load_streams(x_ptr, o_t, o_d, m, D, N)
+            douts = _load_streams(dout_ptr, o_t, o_d, m, D, N_OUT)
+            if HAS_Y:
+                y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+                dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                db_new = ()
                 for i in tl.static_range(N_OUT):
-                    w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
-                    dx += w_ij[:, None] * douts[i]
-                tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
+                    b_i = tl.load(b_ptr + o_t * stride_b + i, mask=t_ok, other=0.0)
+                    dy += b_i[:, None] * douts[i]
+                    db_new = db_new + (db[i] + tl.sum(douts[i] * y, axis=1),)
+                db = db_new
+                tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
+            dw_new = ()
+            for i in tl.static_range(N_OUT):
+                for j in tl.static_range(N):
+                    dw_new = dw_new + (dw[i * N + j] + tl.sum(douts[i] * xs[j], axis=1),)
+            dw = dw_new
+            if WRITE_DX:
+                for j in tl.static_range(N):
+                    p_dx = o_t[:, None] * (N * D) + j * D + o_d[None, :]
+                    if ACCUMULATE:
+                        dx = tl.load(dx_acc_ptr + p_dx, mask=m, other=0.0).to(tl.float32)
+                    else:
+                        dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                    for i in tl.static_range(N_OUT):
+                        w_ij = tl.load(w_ptr + o_t * stride_w + (i * N + j), mask=t_ok, other=0.0)
+                        dx += w_ij[:, None] * douts[i]
+                    tl.store(dx_ptr + p_dx, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
-    for k in tl.static_range(N_OUT * N):
-        tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
-    if HAS_Y:
-        for i in tl.static_range(N_OUT):
-            tl.store(db_ptr + o_t * N_OUT + i, db[i], mask=t_ok)
-
-
-@triton.jit
-def _mix_bwd_wide(
-    x_ptr,
-    y_ptr,
-    w_ptr,
-    b_ptr,
-    dout_ptr,
-    dx_acc_ptr,
-    dx_ptr,
-    dy_ptr,
-    dw_ptr,
-    db_ptr,
-    o_t,
-    i_t,
-    first,
-    last,
-    T,
-    D,
-    stride_w,
-    stride_b,
-    N: tl.constexpr,
-    N_OUT: tl.constexpr,
-    NP: tl.constexpr,
-    HAS_Y: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Streams as ``[BLOCK_T, NP, BLOCK_D]`` tiles; per-token products over streams as batched
-    ``tl.dot`` (IEEE fp32): code size independent of n (n > 8)."""
-    t_ok = o_t < T
-    NO: tl.constexpr = NP if N_OUT > 1 else 1
-    o_i = tl.arange(0, NO)
-    o_j = tl.arange(0, NP)
-    m_w = t_ok[:, None, None] & (o_i < N_OUT)[None, :, None] & (o_j < N)[None, None, :]
-    w3 = tl.load(
-        w_ptr + o_t[:, None, None] * stride_w + o_i[None, :, None] * N + o_j[None, None, :], mask=m_w, other=0.0
-    )
-    if HAS_Y:
-        m_b = t_ok[:, None] & (o_i < N_OUT)[None, :]
-        b2 = tl.load(b_ptr + o_t[:, None] * stride_b + o_i[None, :], mask=m_b, other=0.0)
-        db = tl.zeros([BLOCK_T, NO], dtype=tl.float32)
-    dw = tl.zeros([BLOCK_T, NO, NP], dtype=tl.float32)
-    for i_d in range(first, last):
-        _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
-        x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
-        p_do = dout_ptr + o_t[:, None, None] * (N_OUT * D) + o_i[None, :, None] * D + o_d[None, None, :]
-        dout3 = tl.load(p_do, mask=m[:, None, :] & (o_i < N_OUT)[None, :, None], other=0.0).to(tl.float32)
+        for k in tl.static_range(N_OUT * N):
+            tl.store(dw_ptr + o_t * (N_OUT * N) + k, dw[k], mask=t_ok)
         if HAS_Y:
-            y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-            dy = tl.sum(b2[:, :, None] * dout3, axis=1)
-            db += tl.sum(dout3 * y[:, None, :], axis=2)
-            tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
-        if N_OUT > 1:
-            dw += tl.dot(dout3, tl.permute(x3, (0, 2, 1)), input_precision="ieee")
-        else:
-            dw += tl.sum(dout3 * x3, axis=2)[:, None, :]
-        if WRITE_DX:
-            p_dx = o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
-            m3 = m[:, None, :] & (o_j < N)[None, :, None]
-            if ACCUMULATE:
-                dx3 = tl.load(dx_acc_ptr + p_dx, mask=m3, other=0.0).to(tl.float32)
-            else:
-                dx3 = tl.zeros([BLOCK_T, NP, BLOCK_D], dtype=tl.float32)
+            for i in tl.static_range(N_OUT):
+                tl.store(db_ptr + o_t * N_OUT + i, db[i], mask=t_ok)
+    else:
+        # streams as [BLOCK_T, NP, BLOCK_D] tiles; per-token products over streams as batched
+        # tl.dot (IEEE fp32): code size independent of n (n > 8)
+        NO: tl.constexpr = NP if N_OUT > 1 else 1
+        o_i = tl.arange(0, NO)
+        o_j = tl.arange(0, NP)
+        m_w = t_ok[:, None, None] & (o_i < N_OUT)[None, :, None] & (o_j < N)[None, None, :]
+        w3 = tl.load(
+            w_ptr + o_t[:, None, None] * stride_w + o_i[None, :, None] * N + o_j[None, None, :], mask=m_w, other=0.0
+        )
+        if HAS_Y:
+            m_b = t_ok[:, None] & (o_i < N_OUT)[None, :]
+            b2 = tl.load(b_ptr + o_t[:, None] * stride_b + o_i[None, :], mask=m_b, other=0.0)
+            db = tl.zeros([BLOCK_T, NO], dtype=tl.float32)
+        dw = tl.zeros([BLOCK_T, NO, NP], dtype=tl.float32)
+        for i_d in range(first, last):
+            _, o_d, m = _token_tile(i_t, i_d, T, D, BLOCK_T, BLOCK_D)
+            x3, _ = _load_streams_3d(x_ptr, o_t, o_d, m, D, N, NP)
+            p_do = dout_ptr + o_t[:, None, None] * (N_OUT * D) + o_i[None, :, None] * D + o_d[None, None, :]
+            dout3 = tl.load(p_do, mask=m[:, None, :] & (o_i < N_OUT)[None, :, None], other=0.0).to(tl.float32)
+            if HAS_Y:
+                y = tl.load(y_ptr + o_t[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+                dy = tl.sum(b2[:, :, None] * dout3, axis=1)
+                db += tl.sum(dout3 * y[:, None, :], axis=2)
+                tl.store(dy_ptr + o_t[:, None] * D + o_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
             if N_OUT > 1:
-                dx3 += tl.dot(tl.permute(w3, (0, 2, 1)), dout3, input_precision="ieee")
+                dw += tl.dot(dout3, tl.permute(x3, (0, 2, 1)), input_precision="ieee")
             else:
-                dx3 += tl.permute(w3, (0, 2, 1)) * dout3
-            tl.store(dx_ptr + p_dx, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
-    tl.store(dw_ptr + o_t[:, None, None] * (N_OUT * N) + o_i[None, :, None] * N + o_j[None, None, :], dw, mask=m_w)
-    if HAS_Y:
-        tl.store(db_ptr + o_t[:, None] * N_OUT + o_i[None, :], db, mask=t_ok[:, None] & (o_i < N_OUT)[None, :])
+                dw += tl.sum(dout3 * x3, axis=2)[:, None, :]
+            if WRITE_DX:
+                p_dx = o_t[:, None, None] * (N * D) + o_j[None, :, None] * D + o_d[None, None, :]
+                m3 = m[:, None, :] & (o_j < N)[None, :, None]
+                if ACCUMULATE:
+                    dx3 = tl.load(dx_acc_ptr + p_dx, mask=m3, other=0.0).to(tl.float32)
+                else:
+                    dx3 = tl.zeros([BLOCK_T, NP, BLOCK_D], dtype=tl.float32)
+                if N_OUT > 1:
+                    dx3 += tl.dot(tl.permute(w3, (0, 2, 1)), dout3, input_precision="ieee")
+                else:
+                    dx3 += tl.permute(w3, (0, 2, 1)) * dout3
+                tl.store(dx_ptr + p_dx, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
+        tl.store(dw_ptr + o_t[:, None, None] * (N_OUT * N) + o_i[None, :, None] * N + o_j[None, None, :], dw, mask=m_w)
+        if HAS_Y:
+            tl.store(db_ptr + o_t[:, None] * N_OUT + o_i[None, :], db, mask=t_ok[:, None] & (o_i < N_OUT)[None, :])
 
 
 @triton.jit
@@ -409,13 +278,9 @@ def _fwd_config(n: int, d: int) -> tuple[int, int]:
 
 
 def _bwd_config(n: int, n_out: int, d: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_D, num_warps)`` of the backward, a program per ``BLOCK_T`` tokens over all
-    of ``D`` (a range of it where tokens are few: :func:`bwd_d_splits`): about 1024 values per
-    stream tile up to n = 8 (half of that was far slower); the wide path's batched dot reduces
-    over ``BLOCK_D``: at least 16.
-
-    The same tiles where tokens are few: one-token tiles give more programs, but gained little at
-    1k tokens and lost from 2k tokens on (``python -m bench.tune_mixing small-tokens-mix``)."""
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of the backward: about 1024 values per stream tile up to n = 8;
+    the wide path's batched dot reduces over ``BLOCK_D``: at least 16. The same where tokens are few
+    (``python -m bench.tune_mixing small-tokens-mix``)."""
     block_d = min(256, next_pow2(d)) if n <= 8 else max(16, min(64, next_pow2(d)))
     values = 1024 if n <= 8 else 256
     return max(1, values // block_d), block_d, 4
@@ -442,11 +307,9 @@ PRE_MIX_MIN_SPLIT_CHUNKS = 2
 
 
 def bwd_d_splits(n: int, n_out: int, d: int, tokens, sms: int) -> int:
-    """How many ranges of ``D`` the backward splits each token tile's channels into: about
-    ``MIX_BWD_WAVES`` programs per SM, each range at least ``MIN_SPLIT_CHUNKS`` chunks of
-    ``BLOCK_D`` channels (for one stream out ``PRE_MIX_BWD_WAVES`` and
-    ``PRE_MIX_MIN_SPLIT_CHUNKS``); n <= 4, and 1 for a symbolic token count, whose graph serves any
-    count."""
+    """Ranges of ``D`` per token tile in the backward: about ``MIX_BWD_WAVES`` programs per SM, each range
+    at least ``MIN_SPLIT_CHUNKS`` chunks (one stream out: the ``PRE_MIX_`` constants); n <= 4, and 1
+    for a symbolic token count."""
     if n > 4 or type(tokens) is not int:
         return 1
     block_t, block_d, _ = _bwd_config(n, n_out, d)
@@ -521,8 +384,7 @@ def stream_mix_fwd(
     ``[..., N_OUT, D]`` (``T`` the number of tokens, the product of the leading dims).
 
     Output in ``x``'s dtype. ``w`` and ``b`` may have token stride 0; ``x`` and ``y`` are made
-    contiguous.
-    """
+    contiguous."""
     _check_mix(x, w, y, b)
     return stream_mix_fwd_unchecked(x, w, y, b)
 
@@ -561,8 +423,7 @@ def stream_mix_bwd(
     ``dx`` shaped like ``x`` in ``x``'s dtype (``+ grad_x_acc`` when given; ``None`` unless
     ``need_grad_x``), ``dy`` like ``y`` in ``y``'s dtype, ``dw [T, N_OUT, N]`` and ``db [T, N_OUT]``
     per token in fp32 (``None`` without ``y``). ``grad_out [..., N_OUT, D]`` and ``grad_x_acc``
-    may have other leading dims than ``x``, with the same number of tokens.
-    """
+    may have other leading dims than ``x``, with the same number of tokens."""
     T, n, d, n_out = _check_mix(x, w, y, b)
     check_tensor(grad_out, "grad_out", device=x.device)
     if grad_out.shape[-2:] != (n_out, d) or grad_out.numel() != T * n_out * d:
