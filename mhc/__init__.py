@@ -1,19 +1,11 @@
 """mhc: manifold-constrained hyper-connections (mHC) for PyTorch.
 
-The layers, top to bottom (``docs/architecture.md``):
-
-- ``mhc.kernels``: the Triton kernels and their launchers (imported on first use);
-- ``mhc.reference``: the pure-PyTorch oracle of every op (the tests' oracle and the CPU path);
-- ``mhc.ops``: the registered ``mhc::`` ops, their autograd Functions, and the one place that
-  decides which path runs (``mhc.ops.path``);
-- ``mhc.modules``: ``HyperConnection`` (mHC / HC), ``LaneMixer``, stream helpers, the stability
-  metric; ``mhc.mixing`` is their public home, ``mhc.layer`` that of ``sinkhorn`` and ``FusedMHC``;
-- ``mhc.memory``: stream recompute and layer checkpointing;
-- ``mhc.distributed``, ``mhc.integrations``: sequence-parallel sites; DeepSeek-V4 in transformers;
-- ``mhc.losses``: ``linear_cross_entropy`` and ``LinearCrossEntropy`` (fused linear +
-  cross-entropy, never materialising the logits).
-
-The names users reach for are also importable from ``mhc`` itself.
+The layers, top to bottom (``docs/architecture.md``): ``mhc.kernels`` (Triton kernels and
+launchers), ``mhc.reference`` (the PyTorch oracle and CPU path), ``mhc.ops`` (the ``mhc::`` ops,
+their autograd and the path decision), ``mhc.modules`` (public home ``mhc.mixing``; ``mhc.layer``
+holds ``sinkhorn`` and ``FusedMHC``), ``mhc.memory``, ``mhc.distributed``, ``mhc.integrations``,
+and ``mhc.losses`` (the fused linear + cross-entropy). The names users reach for are importable
+from ``mhc`` itself.
 """
 
 from mhc.layer import FusedMHC, sinkhorn

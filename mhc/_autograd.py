@@ -1,14 +1,9 @@
-"""Double backward: which autograd Functions of the package support it, and the check of those
-that do not.
+"""Double backward: the check of the autograd Functions that do not support it (``docs/inputs.md``).
 
-A backward run with ``create_graph=True`` (``torch.autograd.grad(..., create_graph=True)``, a
-gradient penalty, Hessian-vector products) runs with grad mode on. The Triton kernels' gradients
-(and the fused loss's chunked PyTorch backward) carry no autograd graph, so a second derivative
-through them would silently be zero: every such Function calls
-:func:`refuse_double_backward` first and raises instead. The Sinkhorn
-(:class:`mhc.layer.SinkhornFunction`) supports double backward by
-recomputing its gradient with the PyTorch reference there; the ``"torch"`` paths of every layer
-support it. ``docs/inputs.md`` lists them.
+The kernels' gradients carry no autograd graph, so a second derivative through them would be
+silently zero: such a Function calls :func:`refuse_double_backward` first and raises instead. The
+Sinkhorn supports double backward (the reference recomputes its gradient), as do the ``"torch"``
+paths of every layer.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ __all__ = ["sinkhorn", "FusedMHC", "MAX_N"]
 class FusedMHC(nn.Module):
     """Sinkhorn-Knopp as a module (no parameters): ``[..., n, n]`` logits -> doubly stochastic.
 
-    ``FusedMHC(mhc_iters=20, backward="exact", backend="auto")``; see :func:`sinkhorn`.
-    """
+    ``FusedMHC(mhc_iters=20, backward="exact", backend="auto")``; see :func:`sinkhorn`."""
 
     def __init__(self, mhc_iters: int = 20, backward: str = "exact", backend: str = "auto"):
         super().__init__()

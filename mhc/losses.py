@@ -1,14 +1,9 @@
 """Fused linear + cross-entropy: ``cross_entropy(input @ W^T + b, target)`` without the ``[N, V]``
-logits, as the functional :func:`linear_cross_entropy` and the module :class:`LinearCrossEntropy`.
-
-With PyTorch's class weights and label smoothing, and a z-loss and logit soft-capping.
+logits, as :func:`linear_cross_entropy` and :class:`LinearCrossEntropy`, with class weights, label
+smoothing, a z-loss and logit soft-capping (``docs/losses.md``).
 
 Read top to bottom: input checks -> PyTorch chunked path -> loss terms and autograd Function
-(either path) -> functional -> module. The Triton kernels are in
-``mhc.kernels.linear_cross_entropy``; both paths compute the same quantities (per-row log-sum-exp,
-target logit and weighted logit sum forward, then per vocabulary chunk
-``G = P softmax - T onehot - S weight`` with per-row coefficients and its two products backward),
-see ``docs/losses.md``.
+(either path; the kernels are :mod:`mhc.kernels.linear_cross_entropy`) -> functional -> module.
 """
 
 from __future__ import annotations
@@ -119,11 +114,9 @@ def _check_loss_options(class_weight, vocab, device, label_smoothing, lse_square
 
 
 def _target_check(target: torch.Tensor, vocab: int, ignore_index: int):
-    """Queues the range check of the targets; the returned function raises ``ValueError`` if a
-    target is outside ``[0, vocab)`` and not ``ignore_index`` (PyTorch would index out of bounds
-    or assert on the device). Call it once the forward pass is queued (neither pass indexes by the
-    target): it waits for the check alone, so the GPU is not left idle while the pass launches.
-    Meta and fake tensors have no values: nothing is checked there."""
+    """Queues the range check of the targets and returns a function that raises ``ValueError`` for a
+    target outside ``[0, vocab)`` that is not ``ignore_index``; call it once the forward pass is queued,
+    so the GPU is not left idle. Meta and fake tensors are not checked."""
     if without_values(target):  # a meta or fake tensor: no values to check
         return lambda: None
     from mhc.kernels._host import read_later  # the kernel package, imported on first use
@@ -284,8 +277,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``[V] | None`` (compute dtype) -> (loss, z-loss), both reduced as ``options.reduction``.
 
     Saves the inputs and ``[N]`` per-row scalars; the backward recomputes the logits chunk by
-    chunk.
-    """
+    chunk."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, class_weight, options, backend):
@@ -438,8 +430,7 @@ def linear_cross_entropy(
         The loss in the input's dtype: a scalar, or ``target.shape`` for ``"none"``; with
         ``return_z_loss`` a pair ``(loss, z_loss)`` of that shape. Arithmetic is fp32 (softmax,
         its gradient and the accumulation of both gradients) whatever the input dtype; under
-        autocast, input, weight and bias are cast to the autocast dtype as ``F.linear`` would.
-    """
+        autocast, input, weight and bias are cast to the autocast dtype as ``F.linear`` would."""
     check_no_transform(
         "linear_cross_entropy", "compute F.cross_entropy(F.linear(input, linear_weight, linear_bias), target)"
     )
@@ -474,8 +465,7 @@ class LinearCrossEntropy(nn.Module):
     (so a language model can use it as its head; ``.linear.weight`` can be tied to an
     embedding); the loss is :func:`linear_cross_entropy` of it with the options given here.
     ``weight`` (class weights ``[num_classes]``) is kept as a buffer, as in
-    ``nn.CrossEntropyLoss``. ``forward`` returns ``(loss, z_loss)`` with ``return_z_loss``.
-    """
+    ``nn.CrossEntropyLoss``. ``forward`` returns ``(loss, z_loss)`` with ``return_z_loss``."""
 
     def __init__(
         self,

@@ -1,36 +1,11 @@
-"""Every private PyTorch API the layers use, in one place, with the version checks and fallbacks
-(the kernel layer's private Triton and CUDA-stream APIs are :mod:`mhc.kernels._compat`).
-
-- :func:`dispatch_mode_active`, :func:`transforms_active`, :func:`top_saved_tensor_hooks`,
-  :func:`in_backward`: state of the dispatcher and of autograd that PyTorch exposes only through
-  ``torch._C`` (and forward-mode AD's level, ``torch.autograd.forward_ad._current_level``).
-- :func:`after_backward`, :func:`backward_task`: the autograd engine's callback queue
-  (``Variable._execution_engine``), which DDP and FSDP use to act once a backward has finished,
-  and the id of the backward now running.
-- :func:`unsharded_dtensor`: a ``DTensor`` made from its spec (``DTensorSpec``), which the
-  sequence-parallel sites' gradients reuse instead of building one per parameter per step.
-- :func:`backport_checkpoint_tags`: the checkpoint tagging fix of PyTorch 2.12, below.
-- :func:`without_values`: whether a tensor is fake (``torch._subclasses.fake_tensor.is_fake``) or meta.
-- :mod:`mhc._compat.write_analysis`: one write analysis per kernel specialization while
-  ``torch.compile`` traces mhc's kernels (wraps ``torch._higher_order_ops.triton_kernel_wrap``).
-
-Activation checkpointing under ``torch.compile`` (PyTorch < 2.12): Dynamo turns a checkpointed
-region into a ``tag_activation_checkpoint`` graph whose nodes it tags "recompute"; the
-partitioner then recomputes them in the backward instead of saving them. An ``autograd.Function``
-in the region is one ``autograd_function_apply`` node there, and its forward's ops live in a
-subgraph that the tagging never visits, so checkpointing saves what they make: for an mHC model
-every site's streams, branch input and coefficients. PyTorch fixed this in pytorch/pytorch#177396
-by tagging every op through a dispatch mode. :func:`backport_checkpoint_tags` gives older versions
-the same result for ``mhc``'s own Functions only: the subgraphs that call ``mhc::`` ops get their
-region's tags, every other Function keeps PyTorch's behaviour. It is installed the first time
-``torch.compile`` traces an ``mhc`` op (:mod:`mhc.ops.library`), never at import; versions with
-the fix no longer have the hook it wraps (``TagActivationCheckpoint.tag_nodes``), and nothing is
-changed there. The same hook marks the op that makes a region's output ``MUST_SAVE``
-(:func:`save_function_outputs`), which :func:`marked_must_save` lets a selective checkpointing
-policy honour.
-
-Dispatch modes: :func:`dispatch_mode_active` tells the fused layers to call their kernels through
-the registered ops, which a ``TorchDispatchMode`` sees.
+"""Every private PyTorch API the layers use, in one place, with its version checks and fallbacks
+(the kernel layer's private Triton APIs are in :mod:`mhc.kernels._compat`): dispatcher and autograd
+state behind ``torch._C``, the autograd engine's callback queue, ``DTensor`` from its spec, fake
+tensors, and the two wrappers of PyTorch internals that ``docs/architecture.md`` ("What ``import
+mhc`` changes outside ``mhc``") describes: :func:`backport_checkpoint_tags` (checkpointed regions
+under ``torch.compile``, PyTorch < 2.12, pytorch/pytorch#177396) and
+:mod:`mhc._compat.write_analysis`. Both are installed the first time ``torch.compile`` traces an
+``mhc`` op, never at import.
 """
 
 from __future__ import annotations
@@ -160,13 +135,10 @@ _SPECS: dict = {}
 
 
 def unsharded_dtensor(local: torch.Tensor, mesh, placement) -> torch.Tensor:
-    """``DTensor.from_local(local, mesh, placements, run_check=False)`` for placements that shard
-    nothing (``Replicate()`` or ``Partial()`` on each mesh dim: the global shape is the local one);
-    ``placement``: one for every mesh dim, or a tuple of them. ``from_local`` builds a spec and an
-    autograd node per call, host work that the sites' parameter gradients would pay per parameter
-    per step; here the spec is built once per mesh, placement, shape, stride and dtype. Not
-    differentiable: call it without grad mode (a backward without ``create_graph``, or under
-    ``torch.no_grad()``)."""
+    """``DTensor.from_local(local, mesh, placements, run_check=False)`` for placements that shard nothing
+    (``Replicate()`` or ``Partial()``; ``placement``: one for every mesh dim, or a tuple), with the
+    spec built once per mesh, placement, shape, stride and dtype instead of per call. Not
+    differentiable: call it without grad mode."""
     placements = tuple(placement) if isinstance(placement, (tuple, list)) else (placement,) * mesh.ndim
     key = (mesh, placements, local.shape, local.stride(), local.dtype)
     spec = _SPECS.get(key)

@@ -1,20 +1,11 @@
 """One write analysis per kernel specialization while ``torch.compile`` traces mhc's kernels.
 
-For every user Triton kernel call in a graph, PyTorch works out which arguments the kernel writes:
-it generates the kernel's TTIR and walks it (``identify_mutated_tensors`` in PyTorch 2.11,
-``identify_accessed_tensors`` in later versions). Nothing is cached across calls, and the same call is
-analysed up to four times: in functionalization, twice in Inductor's lowering and in the kernel's
-IR node. A GPT of 16 sites makes about 100 kernel calls, so about 300 TTIR generations of kernels
-that unroll their 20 Sinkhorn iterations: most of its first compiled step (dev/LOG.md,
-"Compile time"). Upstream work on it: pytorch/pytorch#193227.
-
-The answer depends only on the kernel and on what the TTIR generation sees of the arguments: a
-fake tensor or Inductor buffer becomes a two-element tensor of its dtype, a symbolic value becomes
-2, anything else is passed as it is. :func:`install` wraps PyTorch's analysis with a cache keyed on
-exactly that, for mhc's kernels only: other kernels, calls with TMA descriptors and arguments that
-cannot be keyed go straight through. It is installed the first time ``torch.compile`` traces an
-``mhc`` op (:mod:`mhc.ops.library`), never at import; ``ENABLED = False`` (tests) leaves
-PyTorch's analysis alone.
+PyTorch works out which arguments a traced Triton kernel writes by generating its TTIR, uncached
+and up to four times per call (pytorch/pytorch#193227): most of a many-site model's first
+compile. The answer depends only on the kernel and on what TTIR generation sees of the arguments,
+so :func:`install` caches it on exactly that, for mhc's kernels only (other kernels, TMA
+descriptors and arguments that cannot be keyed go straight through). Installed at the first trace
+of an ``mhc`` op (:mod:`mhc.ops.library`); ``ENABLED = False`` (tests) leaves PyTorch alone.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Sequence parallelism for hyper-connection sites.
+"""Sequence parallelism for hyper-connection sites (``docs/distributed.md``).
 
-Under sequence parallelism (Megatron's SP, torchtitan's ``SequenceParallel``) the activations
-between the tensor-parallel branches are split over the sequence across the ranks of the
-tensor-parallel group: each rank holds ``[batch, seq / tp, ...]``. Everything an ``mhc`` site
-computes is per token, so a site runs on its rank's shard of the streams as it is, with the same
-values as on the whole sequence. :func:`parallelize_sites` makes the sites' own parameters
-``DTensor``\\ s replicated over the group's mesh (``Replicate()``, as torchtitan's
-``SequenceParallel`` does for norms); each rank's gradient covers its own tokens and arrives as a
-partial sum (``Partial()``). The partial sums are reduced once, at the end of the backward, all
-of one mesh and dtype in one all-reduce, so the optimizer's ops read a replicated gradient; under
-FSDP2 on a 2-D ``(dp, tp)`` mesh, which computes with unsharded copies, FSDP2 reduces them. The
-branches inside the sites are parallelized by the model's own tensor-parallel plan (which gathers
-the sequence where a branch needs all of it, as attention does).
-
-Streams may arrive as local shards or as ``DTensor``\\ s sharded over their tokens: the modules
-then run on the local shard and return a ``DTensor`` of the input's layout (:mod:`mhc.ops.local`).
+Everything a site computes is per token, so under sequence parallelism it runs on its rank's shard
+of the streams as it is. :func:`parallelize_sites` makes the sites' parameters ``DTensor``\\ s
+``Replicate()``-d over the tensor-parallel mesh; each rank's gradient (its tokens' share,
+``Partial()``) is reduced once at the end of the backward, one all-reduce per mesh and dtype
+(FSDP2 on a ``(dp, tp)`` mesh reduces them itself). The branches follow the model's own plan.
 """
 
 from __future__ import annotations
@@ -59,29 +49,21 @@ def _summed_over(group):
 
 
 def parallelize_sites(model: nn.Module, mesh=None) -> nn.Module:
-    """Make every per-token ``mhc`` module of ``model`` (``HyperConnection`` and other sites,
-    ``LaneMixer``, ``StreamCollapse``, ``StreamExpand``) run on sequence-sharded activations.
+    """Make every per-token ``mhc`` module of ``model`` (sites, ``LaneMixer``, ``StreamCollapse``,
+    ``StreamExpand``) run on sequence-sharded activations; returns ``model``, changed in place.
 
-    Their own parameters become ``DTensor``\\ s replicated over ``mesh`` (a 1-D ``DeviceMesh``,
-    for example ``mesh["tp"]`` of a 2-D ``(dp, tp)`` mesh, or a process group; default: the
-    default process group), with rank 0's values. Their gradients, partial sums over the ranks'
-    tokens (``Partial()``), are all-reduced at the end of each backward, in one collective per
-    mesh and dtype (under FSDP2: by FSDP2). A gradient that accumulates onto a reduced one
-    (micro-batches without ``zero_grad``) is reduced as it accumulates, by ``DTensor``. The
-    modules then take their rank's tokens as plain local shards (``split`` and ``finish`` of
-    chained sites too) or as ``DTensor``\\ s sharded over their tokens (:mod:`mhc.ops.local`). Call
-    it after the parameters are initialised and before ``fully_shard``, as torchtitan orders tensor
-    parallel and FSDP2. Returns ``model``, changed in place.
-
-    The branches' parameters are not touched: the model's tensor-parallel plan owns them. A
-    model whose activations are replicated over the group (tensor parallel without sequence
-    parallel) needs no call: each rank computes its sites whole.
+    Their own parameters become ``DTensor``\\ s replicated over ``mesh`` (a 1-D ``DeviceMesh`` such as
+    ``mesh["tp"]``, or a process group; default: the default group) with rank 0's values. Their
+    gradients, partial sums over the ranks' tokens, are all-reduced at the end of each backward, one
+    collective per mesh and dtype (under FSDP2: by FSDP2). The modules then take their rank's tokens
+    as plain local shards or as token-sharded ``DTensor``\\ s. Call it after initialisation and before
+    ``fully_shard``. The branches' parameters are left to the model's tensor-parallel plan; tensor
+    parallel without sequence parallel needs no call.
 
     Raises:
         TypeError: ``model`` is not a module.
         ValueError: ``model`` holds no such module, they were parallelized already, or ``mesh``
-            has more than one dimension.
-    """
+            has more than one dimension."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     modules = [m for m in model.modules() if isinstance(m, PER_TOKEN)]

@@ -1,22 +1,11 @@
 """DeepSeek-V4 in Hugging Face transformers on ``mhc``'s fused kernels: :func:`patch_deepseek_v4`.
 
-transformers (5.23+) runs V4's hyper-connections as plain PyTorch in fp32: an fp32 copy of the
-streams, an unfused RMS norm and projection, 40 normalisation steps kept for autograd, and the
-post-mix as a broadcast multiply plus a ``matmul``. :func:`patch_deepseek_v4` swaps the classes of
-the model's mHC modules for subclasses whose ``forward`` runs ``mhc`` instead:
-
-- ``DeepseekV4HyperConnection`` (``attn_hc``, ``ffn_hc``) becomes an :class:`mhc.modules.site.Site` whose
-  parameters are V4's own ``fn``, ``base`` and ``scale`` read in ``mhc``'s layout (the ``comb``
-  block transposed: V4 applies ``comb`` transposed), with V4's ``hc_eps`` placement
-  (``HyperConnection(hc_eps=...)``);
-- ``DeepseekV4DecoderLayer.forward``, whose body does the mixing, splits the streams at
-  ``attn_hc``, hands over from the attention site to the MLP site with ``finish(y, next=ffn_hc)``
-  (one seam op on the fused path) and finishes the MLP site;
-- ``DeepseekV4HyperHead`` (``hc_head``) becomes :func:`mhc.mixing.stream_collapse`.
-
-Parameters stay the same tensors under the same names: state dicts, optimizers, FSDP2 wrapping per
-decoder layer and hub checkpoints are unchanged. ``docs/deepseek_v4.md`` has the mapping and the
-numbers.
+The patch swaps the classes of the model's mHC modules for subclasses that run ``mhc``:
+``DeepseekV4HyperConnection`` becomes a :class:`mhc.modules.site.Site` over V4's own ``fn``,
+``base`` and ``scale`` (the ``comb`` block read transposed, V4's ``hc_eps``), the decoder layer's
+mixing a ``split`` / ``finish(y, next=)`` / ``finish`` chain, ``DeepseekV4HyperHead``
+:func:`mhc.mixing.stream_collapse`. Parameters stay the same tensors under the same names
+(``docs/deepseek_v4.md``).
 """
 
 from __future__ import annotations
@@ -138,25 +127,21 @@ def patch_deepseek_v4(model, backend: str = "auto", recompute: bool | int = Fals
         model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (already patched is fine).
         backend: ``"auto"`` (fused Triton kernels for CUDA tensors, the PyTorch reference
             otherwise), ``"triton"`` (CUDA, or CPU with ``TRITON_INTERPRET=1``) or ``"torch"``.
-        recompute: rebuild the streams in the backward instead of saving them at every site
-            (:func:`mhc.memory.recompute.recompute_streams`): ``True`` with the paper's block length,
-            an int for that block length, ``False`` (or 1) to save them at every site.
+        recompute: rebuild the streams in the backward (:func:`mhc.memory.recompute.recompute_streams`):
+            ``True`` with the paper's block length, an int for that block length, ``False`` (or 1)
+            to save them at every site.
 
-    After patching, transformers' ``DeepseekV4HyperConnection.forward``,
-    ``DeepseekV4HyperHead.forward`` and ``DeepseekV4DecoderLayer.forward`` no longer run for this
-    model; everything else (attention, MoE, norms, cache, generation) is transformers' own. The
-    model computes what transformers computes (fp32: to rounding; the fused path mixes in fp32
-    where V4 rounds its coefficients to the model dtype first), with the same parameters.
-    Tensor parallel (``from_pretrained(..., tp_plan="auto")``) shards the experts only: the
-    hidden streams and the mHC parameters stay replicated, and every rank runs its sites whole.
+    Afterwards transformers' ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and
+    ``DeepseekV4DecoderLayer`` forwards no longer run for this model; attention, MoE, norms, cache
+    and generation stay transformers' own. The model computes what transformers computes (fp32: to
+    rounding) with the same parameters. Tensor parallel (``tp_plan="auto"``) shards the experts only:
+    every rank runs its sites whole.
 
     Raises:
         ImportError: transformers without DeepSeek-V4.
         TypeError: ``model`` is not a DeepSeek-V4 model.
-        ValueError: ``hc_mult`` beyond the kernels (16 streams) on ``backend="triton"``, an
-            unknown ``backend``, or mHC parameters that are ``DTensor``\\ s (sharded by a plan
-            other than transformers' own).
-    """
+        ValueError: ``hc_mult`` above 16 on ``backend="triton"``, an unknown ``backend``, or mHC
+            parameters that are ``DTensor``\\ s."""
     v4 = _deepseek_v4()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -1,20 +1,11 @@
-"""Launch limits per GPU architecture: the data the launchers' configurations are clamped to.
+"""Launch limits per GPU architecture, one row each: pipelining depth, whether the tuned register
+caps apply, whether tensor descriptors are used.
 
-The kernels' tile shapes are rules in their launchers (each with its reason); what those rules
-assume of the hardware is here, one row per architecture: how deep the software pipelining may go
-in shared memory, whether the register caps tuned on that architecture apply, whether tensor
-descriptors (Hopper's copy engine) are used. ``hopper`` (H100, H200) is what the kernels were
-tuned on (``python -m bench.tune_mixing``, ``bench.tune_sinkhorn``,
-``bench.loss --sweep``; the measurements are in dev/LOG.md); ``default`` is a conservative row for
-any other CUDA GPU Triton supports (A100, consumer GPUs, Blackwell until it is tuned): fewer
-stages, the compiler's register allocation, pointer loads.
-
-Tile shapes that were swept rather than derived are tables, one JSON file per row
-(``mhc/kernels/tables/<row>.json``): the tiled Sinkhorn kernels' tiles and the fused loss's 16-bit
-tiles. The tuning commands write them (``--write``) into the row of the GPU they run on.
-
-``MHC_ARCH=hopper|default`` forces a row (set it before the first launch); otherwise the current
-CUDA device's compute capability picks it (9.x: ``hopper``). One row serves the whole process.
+``hopper`` (H100, H200) is what the kernels were tuned on; ``default`` is a conservative row for
+any other CUDA GPU (fewer stages, the compiler's registers, pointer loads). Swept tiles are tables,
+``mhc/kernels/tables/<row>.json``, written by the tuning commands (``--write``).
+``MHC_ARCH=hopper|default`` forces a row (before the first launch); otherwise compute capability
+9.x picks ``hopper``.
 """
 
 from __future__ import annotations
@@ -40,19 +31,9 @@ class Arch:
 
 
 ARCHS = {
-    "hopper": Arch(
-        "hopper",
-        max_stages=4,
-        register_caps=True,
-        tensor_descriptors=True,
-    ),
+    "hopper": Arch("hopper", max_stages=4, register_caps=True, tensor_descriptors=True),
     # about 100 KiB of shared memory per SM is the smallest of the GPUs Triton supports
-    "default": Arch(
-        "default",
-        max_stages=2,
-        register_caps=False,
-        tensor_descriptors=False,
-    ),
+    "default": Arch("default", max_stages=2, register_caps=False, tensor_descriptors=False),
 }
 
 

@@ -1,12 +1,7 @@
-"""Every private Triton and PyTorch-CUDA API the kernel layer uses, in one place, with the checks
-that fall back to the public path (``kernel[grid](...)``) where they differ. The layers' private
-PyTorch APIs are :mod:`mhc._compat`; the kernel layer imports nothing above it.
-
-The fast launch (:mod:`mhc.kernels._launch`) calls a compiled kernel's own launcher, which
-Triton does not document: ``CompiledKernel.run`` with ``function``, ``packed_metadata`` and
-``launch_metadata``, the launch hooks of ``triton.knobs`` (Triton >= 3.4) and PyTorch's raw
-current stream. Where any of them is missing every launch goes through ``kernel[grid]``.
-``is_fake`` tells a launch traced on fake tensors (``torch._subclasses``, PyTorch >= 2.1).
+"""Every private Triton and PyTorch-CUDA API the kernel layer uses, with the checks that fall back to
+``kernel[grid](...)`` where they differ: a compiled kernel's own launcher (``CompiledKernel.run``,
+``packed_metadata``, ``launch_metadata``), ``triton.knobs``' launch hooks (Triton >= 3.4), the raw
+current stream, and ``is_fake``. The layers' private PyTorch APIs are :mod:`mhc._compat`.
 """
 
 from __future__ import annotations

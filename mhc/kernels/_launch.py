@@ -1,33 +1,11 @@
 """Kernel launches with less host work than ``kernel[grid](...)``.
 
-``kernel[grid](*args, **meta)`` binds every argument, asks Triton's specializer about each of them,
-hashes the result and looks the compiled kernel up before launching it. A hyper-connection site
-launches four to six kernels per step, so :func:`launch` keeps the compiled kernel of each
-specialization and calls its launcher directly, which takes several times less host time per
-launch (measurements: dev/LOG.md, "Host time").
-
-The compiled launcher is handed the tensors' addresses as ints. Given a tensor, Triton's launcher
-calls its ``data_ptr()`` and asks the driver about the address (``cuPointerGetAttribute``), for
-every pointer argument of every launch; given an int, it takes it as it is. The addresses of the
-inputs are read anyway for the key. A
-launch hook (a profiler) still gets the tensors.
-
-The cache key holds what Triton specializes on: the launch's device and meta-parameters, per
-input tensor its dtype and whether its address is a multiple of 16, per scalar an int's 32-bit
-range, whether it is 1 and whether it is a multiple of 16, the type of anything else. A launcher
-passes the tensors it has just allocated for the kernel to write apart (``outputs``), and they are
-not part of the key: the allocator's blocks are aligned to far more than 16 bytes, and their dtypes
-follow from the inputs' and the meta-parameters (an input's dtype, or fp32). (Reading a tensor's
-dtype and address costs host time, and a site's launches pass 23 such outputs.)
-The key is at least as fine as Triton's own, so a cached kernel is one that ``kernel[grid]``
-would have picked. A miss goes through ``kernel[grid]`` (which compiles or finds the kernel) and
-stores what it returns.
-
-Under ``TRITON_INTERPRET=1`` there is no compiled kernel: every launch is ``kernel[grid]``.
-
-Inside a ``torch.library.triton_op``'s body (``mhc.ops.library`` runs it under
-:func:`traced_launches`) a launch goes through ``torch.library.wrap_triton``, so that
-``torch.compile`` and ``torch.export`` see the kernel.
+:func:`launch` keeps the compiled kernel of each specialization under a key at least as fine as
+Triton's own (device, meta-parameters, per input its dtype and 16-byte alignment, per scalar what
+Triton specializes on; the ``outputs`` a launcher has just allocated are left out) and calls its
+launcher with the tensors' addresses as ints. A miss goes through ``kernel[grid]``. Under
+``TRITON_INTERPRET=1`` every launch is ``kernel[grid]``; inside a ``torch.library.triton_op``'s body
+(:func:`traced_launches`) it goes through ``torch.library.wrap_triton``.
 """
 
 import contextlib

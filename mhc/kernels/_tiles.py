@@ -1,11 +1,7 @@
-"""Helpers shared by the kernels: tile arithmetic on the host, float arguments in a kernel
-(:func:`fp32_arg`), and the Sinkhorn kernels' rows.
-
-A Sinkhorn program owns ``BLOCK_T`` whole ``[N, N]`` matrices of a contiguous ``[T, N, N]`` tensor, held as
-a tuple of ``N`` row tensors ``[BLOCK_T, NP]`` (``NP = next_pow2(N)``; padded columns are masked
-and read as 0). With rows loaded as contiguous vectors, one thread holds the same rows of every
-row tensor, so column sums are elementwise adds of the row tensors and row sums stay inside a
-thread for small ``N``: no shuffles in the iteration loop.
+"""Helpers shared by the kernels: tile arithmetic on the host, float arguments (:func:`fp32_arg`),
+and the Sinkhorn kernels' two forms of a matrix: ``N`` row tensors ``[BLOCK_T, NP]`` (column sums
+are elementwise adds, row sums stay in a thread for small ``N``), or ``N * N`` entries held by
+every thread (every step elementwise: the decoding form).
 """
 
 import triton

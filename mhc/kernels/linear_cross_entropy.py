@@ -1,23 +1,11 @@
 """Fused linear + cross-entropy kernels and their launchers: ``CE(x @ W^T + b, target)`` without
-the ``[N, V]`` logits.
+the ``[N, V]`` logits (``docs/losses.md`` derives the passes).
 
-Three passes, each a matrix product whose tiles live only on chip (``docs/losses.md`` derives them):
-
-- forward, :func:`lse_forward`: logit tiles ``[BLOCK_N, BLOCK_V]`` reduced by an online
-  log-sum-exp; each program walks a range of vocabulary blocks for its rows and writes a
-  partial ``(max, sum, target logit[, class-weighted logit sum])``; the partials are combined
-  in fp32.
-- backward, :func:`grad_backward`, one vocabulary chunk ``[c0, c1)`` at a time:
-  1. :func:`grad_logits_kernel` recomputes the chunk's logits and writes
-     ``G = prob_scale * softmax - target_scale * onehot - smooth_scale * class_weight``
-     (per-row coefficients; times the soft-cap's derivative where there is one; fp32
-     arithmetic, stored in the input dtype) into a ``[N, c1 - c0]`` buffer, the only large
-     temporary;
-  2. ``dW[c0:c1] = G^T x``: one cuBLAS product over all N tokens, fp32 accumulation, written once;
-  3. :func:`grad_input_kernel`: ``dx += G W[c0:c1]`` into an fp32 ``[N, D]`` accumulator.
-
-No atomics: every output element is written by one program (or one cuBLAS call) in a fixed
-order, so results are bit-identical run to run. Offsets are 64-bit.
+Forward (:func:`lse_forward`): logit tiles reduced by an online log-sum-exp into per-program
+partials, combined in fp32. Backward (:func:`grad_backward`), one vocabulary chunk at a time:
+:func:`grad_logits_kernel` writes the chunk's logit gradient ``G`` (the only large temporary),
+cuBLAS computes ``dW[c0:c1] = G^T x``, :func:`grad_input_kernel` adds ``G W[c0:c1]`` into an fp32
+``dx``. No atomics: bit-identical run to run. Offsets are 64-bit.
 """
 
 from __future__ import annotations
@@ -92,8 +80,7 @@ def _logits_tile(
     """``x[row0:] @ W[col0:]^T``: ``[BLOCK_N, BLOCK_V]`` fp32; rows, columns out of range read as 0.
 
     With ``TMA`` the sources are tensor descriptors (the copy engine fetches the tiles, out of
-    bounds as zeros); otherwise pointers to rows of unit inner stride.
-    """
+    bounds as zeros); otherwise pointers to rows of unit inner stride."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if TMA:
         for k0 in range(0, D, BLOCK_D):
@@ -484,8 +471,7 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     ``[0, V)``: ignored rows), and with ``smoothing`` the class-weighted sum of the logits
     ``sum_c class_weight[c] * logits[c]`` (None without): fp32 ``[N]`` tensors.
 
-    ``class_weight``: fp32 ``[V]`` or None (all ones); ``softcap``: a positive float or None.
-    """
+    ``class_weight``: fp32 ``[V]`` or None (all ones); ``softcap``: a positive float or None."""
     N, D = x.shape
     V = weight.shape[0]
     _check_target(target, N)
@@ -585,8 +571,7 @@ def grad_backward(
     fp32 ``[N]`` coefficients are 0 on ignored rows. Their largest combined magnitude is factored
     out of ``G`` (so fp16 ``G`` keeps its precision) and applied in the products' fp32 epilogues,
     read on the host; ``capturable``: applied on the device after the products instead (no host
-    read, for CUDA graph capture).
-    """
+    read, for CUDA graph capture)."""
     N, D = x.shape
     V = weight.shape[0]
     _check_target(target, N)

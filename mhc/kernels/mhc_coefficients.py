@@ -8,43 +8,11 @@ Per token ``t`` with flattened streams ``v = x[t] [K = N * D]`` and ``phi [K, M]
     z     = a_group * p + b                             # gate per column group, bias per column
     h_pre = sigmoid(z_pre);  h_post = 2 sigmoid(z_post);  h_res = sinkhorn(z_res as [N, N])
 
-The forward reads ``x`` in its own dtype; the projection runs on the tensor cores with fp32
-accuracy (``_dot_fp32``). Its epilogue runs the pre-mix ``x_in = sum_j h_pre[j] x[j]`` as a second
-pass over the program's tokens, then calls the Sinkhorn core (``sinkhorn_rows``) on the same
-tokens' matrices. The pre-mix is a second pass because ``h_pre`` needs the whole token's
-projection first and a block of tokens (``BLOCK_T * N * D`` values) does not fit on chip at model
-sizes, so ``x`` is read twice; the second pass walks the chunks backwards, so the most recently
-read come from L2.
-
-At n = 5..8, at n <= 4 where ``n * d >= 16384``, at n <= 4 where tokens are too few for a
-program of 64 tokens per SM (``few_tokens``), and when decoding (``decoding``: at most 64 tokens),
-the projection is split over ``K``: programs
-over (tile of 128 tokens, range of columns) write partial projections and sums of squares
-(``projection_partial_kernel``), and ``coefficients_finish_kernel`` adds them in a fixed order,
-then runs the same epilogue, pre-mix and Sinkhorn core. Every tile of tokens reads all of ``phi``
-(10 MiB at d = 4096, n = 8) from L2: wider tiles read it fewer times, and the split keeps the SMs
-busy with fewer of them. Where tokens are few the tiles are 64 tokens wide and the finishing
-kernel's 8 (dev/LOG.md, "Kernels where tokens are few"); when decoding the finishing kernel's 1.
-
-The backward is split in two passes because the input gradient of the projection needs every
-coefficient's gradient first:
-
-1. ``coefficient_grad_kernel``: ``dh_pre[j] = <x_j, dx_in>`` (reduced over ``D``), then per token
-   ``dz`` for every column (``dh_res`` already through the Sinkhorn backward), the projection's
-   gradient ``g = a * dz * r``, the RMS term ``c = r^2 / K * sum_g a_g s_g`` with
-   ``s_g = sum_{m in g} dz_m p_m``, and the program's partial sums of ``dz`` and ``s_g`` (the
-   biases' and gates' gradients).
-2. ``projection_bwd_kernel`` over ``(stream, channel chunk, token split)``:
-   ``dx = g @ phi^T - c x + h_pre (x) dx_in (+ the post-mix's dx)``, one read and one write of
-   the streams, and ``dphi = x^T g`` accumulated in registers over the split's tokens, written as
-   one partial per split, followed by the split's share of the first pass's per-program sums, so
-   that one reduction adds both. At n = 5..8 the ``dphi`` accumulators (res columns 32 or 64
-   wide) beside the ``dx`` tiles spill, so ``dx`` and ``dphi`` are two launches of the kernel,
-   each reading ``x``: one more read of the streams, and no spills.
-
-Partial sums are added in a fixed order afterwards: deterministic, no atomics.
-
-``docs/mixing.md`` derives the gradients.
+Forward: one pass (``coefficients_fwd_kernel``), or split over ``K`` (``projection_partial_kernel``
+then ``coefficients_finish_kernel``), both ending in the pre-mix and the Sinkhorn core. Backward:
+``coefficient_grad_kernel`` (every coefficient's gradient), then ``projection_bwd_kernel`` (``dx``
+and per-split ``dphi``). Partial sums are added in a fixed order: no atomics. ``docs/mixing.md``
+("Inside the coefficient kernels") gives the passes and derives the gradients.
 """
 
 import functools
@@ -58,16 +26,7 @@ import triton.language as tl
 
 from mhc.kernels._arch import arch
 from mhc.kernels._checks import check_positive, check_streams, check_tensor
-from mhc.kernels._launch import (
-    LaunchPlan,
-    launch,
-    launch_plan,
-    per_size,
-    per_tile,
-    sm_count,
-    static,
-    traced_into_graph,
-)
+from mhc.kernels._launch import LaunchPlan, launch, launch_plan, per_size, per_tile, sm_count, static, traced_into_graph
 from mhc.kernels._tiles import _load_rows, _row_tile, _store_rows, cdiv, fp32_arg, next_pow2
 from mhc.kernels.sinkhorn import sinkhorn_entries, sinkhorn_rows
 from mhc.kernels.sinkhorn_eps import sinkhorn_eps_entries, sinkhorn_eps_rows
@@ -79,8 +38,7 @@ def _dot_fp32(a, b, SPLIT_BF16: tl.constexpr):
     """``a @ b`` with fp32 accuracy on the tensor cores; ``a`` exact in its dtype, ``b`` fp32.
 
     bf16 ``a`` (``SPLIT_BF16``): ``b`` split into two bf16 terms (16 significant bits, two
-    products). Otherwise tf32x3 on fp32 operands (fp16 and bf16 are exact in tf32).
-    """
+    products). Otherwise tf32x3 on fp32 operands (fp16 and bf16 are exact in tf32)."""
     if SPLIT_BF16:
         b_hi = b.to(tl.bfloat16)
         b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
@@ -213,14 +171,7 @@ def sinkhorn_epilogue(
 
 @triton.jit
 def sinkhorn_entries_epilogue(
-    z_res_ptr,
-    h_res_ptr,
-    o_t,
-    t_ok,
-    hc_eps,
-    ITERS: tl.constexpr,
-    HAS_EPS: tl.constexpr,
-    N: tl.constexpr,
+    z_res_ptr, h_res_ptr, o_t, t_ok, hc_eps, ITERS: tl.constexpr, HAS_EPS: tl.constexpr, N: tl.constexpr
 ):
     """Sinkhorn of the tokens ``o_t``'s matrices read back as their ``N * N`` entries, every
     entry held by every thread, so that each step is elementwise (``sinkhorn_entries``) where the
@@ -408,14 +359,10 @@ def coefficients_finish_kernel(
     ROLES: tl.constexpr,
     DECODE: tl.constexpr,
 ):
-    """``ROLES``: a grid ``(token tiles, 1 + pre-mix programs)`` whose programs of a tile run side
-    by side: the first the coefficients and their Sinkhorn (latency: serial iterations), the
-    others the pre-mix, ``mix_chunks`` channel chunks each (bytes: ``x`` read once more, by more
-    programs than there are tiles); each adds up the partial projections. Otherwise one program
-    per tile does both jobs, one after the other. The partials are added ``BLOCK_S`` splits at a
-    time: where tokens are few there are hundreds of splits, and one load each in a row is a
-    chain of memory latencies. ``DECODE`` (with ``ROLES``, a token per program): the Sinkhorn on
-    the matrix's entries (:func:`sinkhorn_entries_epilogue`)."""
+    """Adds the split's partial projections, ``BLOCK_S`` splits per load, then runs the epilogue,
+    Sinkhorn and pre-mix. ``ROLES``: a tile's first program does the coefficients (latency), the
+    others the pre-mix, ``mix_chunks`` channel chunks each (bytes); otherwise one program does both.
+    ``DECODE`` (a token per program): the Sinkhorn on the matrix's entries."""
     eps, hc_eps = fp32_arg(eps), fp32_arg(hc_eps)
     W: tl.constexpr = NPP + NRES + 1
     i_t = tl.program_id(0)
@@ -670,15 +617,12 @@ def projection_bwd_kernel(
 
 
 def coefficients_fwd(x, phi, alpha, bias, iters: int, eps: float, hc_eps: float = 0.0):
-    """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens: the leading dims' product).
+    """Coefficients and pre-mix of streams ``x [..., N, D]`` (``T`` tokens).
 
     Returns ``(x_in [..., D], p [T, M], r [T], h_pre [T, N], h_post [T, N], z_res, h_res [T, N, N])``:
-    ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse
-    RMS, ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, the gates ``alpha [3]`` (``a_pre,
-    a_post, a_res``) and the biases ``bias [M]`` (``[b_pre | b_post | vec(b_res)]``) in any float
-    dtype: the kernel reads them into fp32. ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid +
-    hc_eps`` and Sinkhorn (``mhc.kernels.sinkhorn_eps``).
-    """
+    ``x_in`` in ``x``'s dtype, the rest fp32 (``p`` the RMS-scaled projection, ``r`` the inverse RMS,
+    ``z_res`` the Sinkhorn logits). ``phi [N*D, M]``, ``alpha [3]``, ``bias [M]`` in any float dtype.
+    ``hc_eps > 0``: DeepSeek-V4's ``h_pre = sigmoid + hc_eps`` and Sinkhorn."""
     check_streams(x, "x", MAX_STREAMS)
     n, d = x.shape[-2:]
     M = 2 * n + n * n
@@ -757,30 +701,14 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
 
 
 def coefficients_bwd(
-    x,
-    phi,
-    alpha,
-    p,
-    r,
-    h_pre,
-    h_post,
-    dh_pre,
-    dh_post,
-    dz_res,
-    grad_x_in,
-    grad_x_acc=None,
-    hc_eps: float = 0.0,
+    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None, hc_eps: float = 0.0
 ):
-    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``, ``dx``
-    shaped like ``x [..., N, D]``.
+    """Backward of the coefficients and the pre-mix: ``(dx, dphi [K, M], dbias_alpha [M + 3])``.
 
-    ``dh_post [T, N]`` and ``dz_res [T, N, N]`` (the gradient of the Sinkhorn logits) are the
-    coefficients' gradients, ``grad_x_in [..., D]`` the pre-mix output's, ``dh_pre [T, N]`` (or
-    ``None``) another gradient of ``h_pre``. ``dbias_alpha`` holds the gradient of ``bias [M]`` then
-    of ``alpha [3]``, all fp32 whatever the parameters' dtype. ``dx = h_pre (x) grad_x_in +
-    d(projection)/dx + grad_x_acc`` (when given), written once. ``dphi`` and ``dbias_alpha`` are
-    views of one tensor (:func:`coefficients_bwd_packed`).
-    """
+    ``dh_pre [T, N] | None``, ``dh_post [T, N]``, ``dz_res [T, N, N]`` (through the Sinkhorn backward)
+    and ``grad_x_in [..., D]`` are the outputs' gradients; ``dx = h_pre (x) grad_x_in +
+    d(projection)/dx (+ grad_x_acc)``, written once. ``dbias_alpha`` holds the gradients of ``bias``
+    then ``alpha``, fp32; it and ``dphi`` are views of :func:`coefficients_bwd_packed`'s one tensor."""
     dx, packed = coefficients_bwd_packed(
         x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc, hc_eps
     )
@@ -789,25 +717,10 @@ def coefficients_bwd(
 
 
 def coefficients_bwd_packed(
-    x,
-    phi,
-    alpha,
-    p,
-    r,
-    h_pre,
-    h_post,
-    dh_pre,
-    dh_post,
-    dz_res,
-    grad_x_in,
-    grad_x_acc=None,
-    hc_eps: float = 0.0,
+    x, phi, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, grad_x_acc=None, hc_eps: float = 0.0
 ):
     """:func:`coefficients_bwd` with the parameters' gradients packed: ``(dx, [vec(dphi) | dbias |
-    dalpha])``, fp32 ``[K * M + M + 3]``. One reduction adds the partial results: the projection
-    backward adds the first pass's per-program bias and gate sums into its per-split partial
-    ``dphi``. (A ``torch.library`` op returns this packed tensor: its outputs may not alias.)
-    """
+    dalpha])``, fp32 (a ``torch.library`` op's outputs may not alias)."""
     n, d = static(x.shape[-2]), static(x.shape[-1])
     T, K, M = math.prod(x.shape[:-2]), n * d, 2 * n + n * n
     x = x.contiguous()
@@ -929,11 +842,9 @@ def _columns(n: int) -> dict:
 
 
 def dx_precision(dtype: torch.dtype, n: int) -> str:
-    """Precision of ``g @ phi^T`` in the projection backward. A bf16 ``dx`` keeps 8 significant
-    bits: one tf32 product (11 bits, a third of tf32x3's tensor-core work) stays below its rounding
-    (the same error against an fp32 computation, measured). fp16 (11 bits) and fp32 keep tf32x3. Up to n = 8; at
-    n = 5..8 only in the ``dx`` pass of the split backward (``projection_passes``): the one-pass
-    kernel with tf32 stopped with an illegal memory access under Triton 3.6."""
+    """Precision of ``g @ phi^T`` in the projection backward: one tf32 product for bf16 ``dx`` (its 8
+    significant bits hide tf32's rounding), tf32x3 for fp16 and fp32 (and for the one-pass kernel at
+    n = 5..8, which failed with tf32 under Triton 3.6)."""
     return "tf32" if dtype == torch.bfloat16 and n <= 8 else "tf32x3"
 
 
@@ -953,18 +864,10 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     """``(BLOCK_T, BLOCK_K, num_warps, num_stages, waves)`` of the forward split over ``K``
     (``projection_partial_kernel``, about ``waves`` programs per SM), or ``None``: one pass.
 
-    Many tokens: the split pays where one program's ``K`` loop is long (n = 5..8, or ``n * d >=
-    16384``); below that its partial sums cost more than the parallelism gives
-    (``python -m bench.tune_mixing coefficients-split [n=8]``).
-
-    Few tokens (n <= 4, at most a one-pass program of 64 tokens per SM, ``n * d >= 1024``), and
-    decoding (:func:`decoding`, up to n = 8): the one-pass grid leaves SMs idle, and the split
-    over 64-token tiles fills them (``python -m bench.tune_mixing small-tokens``). Decoding takes
-    one program per SM: more splits cost the finishing kernel more partials to add than their
-    shorter columns save (``python -m bench.decode --tables profile``). A symbolic
-    token count (a graph compiled for any count) takes the rule for many tokens: no guard on the
-    count. Measurements: dev/LOG.md, "Launch choices".
-    """
+    Many tokens: the split pays where one program's ``K`` loop is long (n = 5..8, ``n * d >= 16384``).
+    Few tokens and decoding: the one-pass grid leaves SMs idle; decoding takes one program per SM
+    (more splits cost the finishing kernel more partials than they save). A symbolic token count takes
+    the rule for many tokens (``python -m bench.tune_mixing coefficients-split | small-tokens``)."""
     stages = min(3, arch().max_stages)
     if decoding(n, d, tokens):
         return SMALL_TILE, 64, 4, stages, 1
@@ -985,11 +888,8 @@ def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
 
 
 def decoding(n: int, d: int, tokens) -> bool:
-    """Whether the forward takes the decoding tiles: at most ``DECODE_TOKENS`` tokens (n <= 8,
-    ``n * d >= 1024``). There a site's time is latency: the projection is split over ``K`` into a
-    program per SM, and the finishing kernel runs a one-warp program per token that adds every
-    split's partial in one or two loads and runs the Sinkhorn on the matrix's entries
-    (``python -m bench.decode --tables profile``)."""
+    """Whether the forward takes the decoding tiles (``docs/decode.md``): at most ``DECODE_TOKENS``
+    tokens, n <= 8, ``n * d >= 1024``."""
     return n <= 8 and n * d >= 1024 and type(tokens) is int and tokens <= DECODE_TOKENS
 
 
@@ -997,11 +897,9 @@ DECODE_TOKENS = 64
 
 
 def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles, twice
-    the programs of 64-token ones. After the small-token split (``few``), 8-token tiles: four times
-    the programs, which only pays where tokens are few (``python -m bench.tune_mixing
-    small-tokens-epilogues``). When ``decode``-ing, one token per one-warp program: its
-    reductions stay within the warp."""
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles; 8-token ones
+    after the small-token split (``few``); one token per one-warp program when ``decode``-ing, so its
+    reductions stay in the warp."""
     if decode:
         return 1, 128, 1
     return (8, 128, 4) if few else (32, 128, 4)
@@ -1034,17 +932,10 @@ PRE_MIX_WAVES = 4
 
 
 def coefficient_grad_config(n: int, d: int, tokens, sms: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``, a program per ``BLOCK_T``
-    tokens over all of ``D``.
-
-    4-token tiles: twice the programs of 8-token ones and faster at every size swept
-    (``python -m bench.tune_mixing small-tokens-epilogues``).
-
-    Where 4-token tiles would give fewer than ``GRAD_WAVES`` programs per SM (n <= 4, about 1k
-    tokens), one-token tiles 1024 channels wide: four times the programs, each with twice the bytes
-    in flight; from 2k tokens on they no longer pay (``python -m bench.tune_mixing
-    small-tokens-mix``). A symbolic token count takes 4-token tiles.
-    """
+    """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficient_grad_kernel``: 4-token programs over all of
+    ``D``; where those give fewer than ``GRAD_WAVES`` programs per SM (n <= 4, about 1k tokens),
+    one-token programs 1024 channels wide: more programs, more bytes in flight each
+    (``python -m bench.tune_mixing small-tokens-mix``). A symbolic token count takes 4-token tiles."""
     if n <= 4 and type(tokens) is int and cdiv(tokens, 4) < GRAD_WAVES * sms:
         return 1, min(1024, next_pow2(d)), 4
     return 4, min(128, next_pow2(d)), 4
@@ -1056,14 +947,9 @@ GRAD_WAVES = 2
 def projection_bwd_config(
     n: int, d: int, dtype=torch.bfloat16, capped: bool = True
 ) -> tuple[int, int, int, int, int, int | None]:
-    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``:
-    token splits of at most ``waves`` programs per SM (:func:`token_splits`); ``maxnreg`` caps the
-    registers per thread (``None``: the compiler's choice).
-
-    ``capped=False``: the kernel is compiled without a cap whatever its launch asks for, as
-    Inductor compiles a kernel traced into a graph (``torch.compile``, AOTInductor: its compile
-    options leave ``maxnreg`` out, PyTorch 2.11 and 2.13); the tiles are then chosen for the
-    registers the compiler picks (``python -m bench.tune_mixing projection-compiled``)."""
+    """``(BLOCK_T, BLOCK_D, num_warps, num_stages, waves, maxnreg)`` for streams of ``dtype``
+    (``maxnreg``: the register cap, ``None`` for the compiler's choice). ``capped=False``: the kernel
+    is compiled without a cap, as Inductor does (``python -m bench.tune_mixing projection-compiled``)."""
     limits = arch()
     stages = min(3, limits.max_stages)
     if n <= 4:
@@ -1103,20 +989,11 @@ def dphi_bwd_config(n: int, d: int, dtype=torch.bfloat16) -> tuple[int, int, int
 
 
 def token_splits(T: int, block_t: int, waves: int, chunks: int, device, resident: int | None = None) -> int:
-    """Token splits of a ``(chunks, splits)`` grid, at least ``MIN_SPLIT_BLOCKS`` token blocks
-    each: each split writes a partial ``dphi`` (``K * M`` fp32) that is read again to be added, and
-    where tokens are few more splits than that move more bytes than they save (``python -m
-    bench.tune_mixing small-tokens``).
-
-    ``resident``: programs an SM holds at once, where known. Then the splits (up to ``waves``
-    programs per SM) are those that finish soonest counted in whole rounds of resident programs,
-    ``rounds(splits) * blocks per split``, the fewest on ties: a last round that is partly empty
-    costs as much as a full one (``python -m bench.tune_mixing small-tokens-projection``).
-    Otherwise about ``waves`` programs per SM.
-
-    A symbolic token count (a graph compiled for any count) takes the rule for many tokens, which
-    does not depend on the count: no cap, and the fewest rounds per token block.
-    """
+    """Token splits of a ``(chunks, splits)`` grid, at least ``MIN_SPLIT_BLOCKS`` token blocks each: every
+    split writes a partial ``dphi`` that is read again, so where tokens are few more splits move more
+    bytes than they save. Where ``resident`` (programs an SM holds at once) is known, the splits that
+    finish in the fewest whole rounds of resident programs, the fewest on ties; otherwise about
+    ``waves`` programs per SM. A symbolic token count takes a rule independent of the count."""
     sms = sm_count(device)
     if type(T) is not int:
         most = per_tile(chunks, waves, sms, waves * sms)

@@ -1,14 +1,9 @@
-"""Sinkhorn-Knopp forward and exact backward kernels, and their launchers.
+"""Sinkhorn-Knopp forward and exact backward kernels, and their launchers (``docs/sinkhorn.md``).
 
-Iterate ``t`` of the paper's loop is ``M_t = diag(u_t) K diag(v_t)``, with ``K`` the iterate after
-the first (column, then row) normalisation, computed in the log domain so that no row underflows
-whatever the logits' scale. Later iterations only update the scaling vectors:
-``v <- 1 / (K^T u)`` (columns), ``u <- 1 / (K v)`` (rows).
-
-The exact backward recomputes the scalings from the logits and walks the iterations in reverse,
-keeping the row scalings ``u`` of up to ``SEG`` iterations in registers (``v`` is recomputed from
-them); longer runs are split into segments, each recomputed from the start. Nothing but the logits
-is saved between forward and backward. ``docs/sinkhorn.md`` derives the recursion.
+The first iteration runs in the log domain (no row underflows whatever the logits' scale); later
+ones update the scalings ``v <- 1 / (K^T u)``, ``u <- 1 / (K v)``. The exact backward recomputes
+them from the logits and walks the iterations in reverse, ``u`` of up to ``SEG`` iterations in
+registers (longer runs in segments); only the logits are saved.
 """
 
 import torch
@@ -49,8 +44,7 @@ def _first_iteration(x, col_ok, N: tl.constexpr):
     """Column then row normalisation of ``exp(x)``, in the log domain.
 
     Returns ``K`` (rows, each summing to one) and ``r1`` (``N`` values ``[B, 1]``), the row sums
-    of the column-normalised iterate, so that row ``i`` of ``M1`` is ``r1[i] * K[i]``.
-    """
+    of the column-normalised iterate, so that row ``i`` of ``M1`` is ``r1[i] * K[i]``."""
     col_max = x[0]
     for i in tl.static_range(1, N):
         col_max = tl.maximum(col_max, x[i])
@@ -100,8 +94,7 @@ def _ones(BLOCK_T: tl.constexpr, N: tl.constexpr, dtype: tl.constexpr):
 def sinkhorn_rows(x, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
     """``ITERS`` Sinkhorn iterations of ``BLOCK_T`` matrices held as ``N`` rows ``[BLOCK_T, NP]``.
 
-    The forward's whole computation, callable from other kernels (the mHC coefficient epilogue).
-    """
+    The forward's whole computation, callable from other kernels (the mHC coefficient epilogue)."""
     col_ok = tl.arange(0, NP)[None, :] < N
     k, _ = _first_iteration(x, col_ok, N)
     u = _ones(BLOCK_T, N, k[0].dtype)
@@ -294,8 +287,7 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Forward launcher. ``logits [T, n, n]`` -> doubly stochastic ``[T, n, n]``, same dtype.
 
     fp32 arithmetic (fp64 for fp64 input). Non-contiguous input is copied first. ``n >=
-    TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
-    """
+    TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``."""
     T, n = check_matrices(logits, "logits", MAX_N)
     check_positive(iters, "iters")
     n = static(n)

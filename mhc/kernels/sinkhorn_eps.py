@@ -1,17 +1,10 @@
 """Sinkhorn-Knopp with DeepSeek-V4's epsilon: forward and exact backward kernels, and launchers.
 
-With ``eps > 0`` the iteration is the one DeepSeek-V4 ships (in this project's orientation, where
-the first step normalises columns): ``B = softmax over columns(logits) + eps``, then ``ITERS``
-times a row step and, but for the last time, a column step that divide by the sum plus ``eps``.
-Every iterate is ``diag(u) B diag(v)``: a row step is ``u <- u / (u (B v) + eps)``, a column step
-``v <- v / (v (B^T u) + eps)``. Unlike ``eps = 0`` the new scaling depends on the old one, so the
-backward walks the steps in reverse with the derivative of ``y = x / (x s + eps)``
-(``docs/sinkhorn.md``, "The epsilon of DeepSeek-V4"). The scalings of an iteration are recomputed
-from ``B`` (``ITERS^2 / 2`` steps in all, a few microseconds at ``n = 4``): only the logits are
-saved, as in the ``eps = 0`` kernels.
-
-Layout as in ``sinkhorn.py``: a program owns ``BLOCK_T`` matrices held as ``N`` rows
-``[BLOCK_T, NP]``; ``u`` is ``N`` values ``[BLOCK_T, 1]``, ``v`` one ``[BLOCK_T, NP]``.
+``B = softmax over columns(logits) + eps``, then ``ITERS`` times a row step ``u <- u / (u (B v) +
+eps)`` and, but for the last time, a column step ``v <- v / (v (B^T u) + eps)``. The new scaling
+depends on the old one, so the backward walks the steps in reverse, recomputing each iteration's
+scalings from ``B``; only the logits are saved (``docs/sinkhorn.md``, "The epsilon of
+DeepSeek-V4"). Layout as in ``sinkhorn.py``.
 """
 
 import torch

@@ -92,8 +92,7 @@ def sinkhorn_implicit_bwd_kernel(
 def sinkhorn_implicit_bwd(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """Implicit backward launcher: ``out [T, n, n]`` (the forward's output), ``grad_out`` -> grad.
 
-    ``n >= TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``.
-    """
+    ``n >= TILED_MIN_N`` runs the tiled kernel of ``sinkhorn_tiled.py``."""
     check_matrices(out, "out", MAX_N)
     check_tensor(grad_out, "grad_out", out.shape, device=out.device)
     return sinkhorn_implicit_bwd_unchecked(out, grad_out)

@@ -1,32 +1,11 @@
 """Sinkhorn kernels for many lanes (n = 7..64): matrices as 5-D ``[BLOCK_T, RI, CB, RO, 4]`` tiles.
 
-The same maths as ``sinkhorn.py`` (forward, exact backward) and ``sinkhorn_implicit.py``, laid out
-for larger ``n``: a program holds ``BLOCK_T`` whole matrices as one tile (``NP = next_pow2(n)``,
-padding masked), row and column reductions are ``tl.sum`` over the tile's row or column axes, and
-every loop (Sinkhorn iterations, reverse steps, CG steps) is a runtime loop. Nothing is unrolled
-per row, so code size and compile time do not grow with ``n`` and the iteration count is not a
-compile-time constant.
-
-The tile's shape chooses which entries a thread holds. Entry ``(t, ri, cb, ro, c)`` is row
-``ri * RO + ro``, column ``4 * cb + c`` of matrix ``t`` (``RI * RO = NP``, ``CB = NP / 4``).
-Triton lays a load out with 16-byte vectors on the last axis, then hands out a warp's lanes and
-the program's warps to axes 0, 1, 2, 3 in that order, each taking as many as its size allows;
-what is left of an axis stays in the thread. So ``BLOCK_T`` and ``RI`` (the tiles table) decide
-how many of a matrix's rows and columns share a thread: a row reduction crosses the lanes on
-``CB``, a column reduction those on ``RI`` (and on ``BLOCK_T``, never). At n = 64 the forward gives
-each thread a 16 x 8 block (``RI = 4``: lanes 4 x 8, one warp per matrix), where a tile with its
-rows alone split would put 16 rows x 4 columns on a thread and send every row sum through 16
-lanes.
-
-The exact backward recomputes the row scalings from the logits and keeps those of ``SEG``
-iterations as a history tile ``[BLOCK_T, RI, SEGP / 4, RO, 4]`` (slot ``4 * i + j`` on the column
-axes), written and read by a one-hot select (Triton has no dynamic register indexing). Runs
-longer than ``SEG`` iterations are split into segments, each recomputed from the first iteration.
-Nothing but the logits is saved between forward and backward. ``docs/sinkhorn.md`` derives the
-recursion and gives the speed.
-
-Vectors keep the tile's axes: row vectors (``u``, row sums) are ``[BLOCK_T, RI, 1, RO, 1]``, column
-vectors (``v``, column sums) ``[BLOCK_T, 1, CB, 1, 4]``, so every product broadcasts against the tile.
+The maths of ``sinkhorn.py`` (forward, exact backward) and ``sinkhorn_implicit.py``, laid out for
+larger ``n``: a program holds ``BLOCK_T`` whole matrices as one tile (``NP = next_pow2(n)``,
+padding masked), entry ``(t, ri, cb, ro, c)`` is row ``ri * RO + ro``, column ``4 * cb + c``; row
+vectors are ``[BLOCK_T, RI, 1, RO, 1]``, column vectors ``[BLOCK_T, 1, CB, 1, 4]``. Every loop is a
+runtime loop, so code size does not grow with ``n``. The exact backward keeps the row scalings of
+``SEG`` iterations in a history tile. ``docs/sinkhorn.md`` ("Many lanes (n = 7 to 64)") explains the layout.
 """
 
 import torch
@@ -50,12 +29,10 @@ VEC = tl.constexpr(4)  # columns per vector: the tile's last axis
 
 @triton.jit
 def _tile(i_b, T, N: tl.constexpr, NP: tl.constexpr, RS: tl.constexpr, BLOCK_T: tl.constexpr, RI: tl.constexpr):
-    """Program ``i_b``'s ``[BLOCK_T, RI, CB, RO, 4]`` tile: where its first matrix starts in the
-    inputs (``[T, N, RS]``, rows of ``RS >= N`` entries) and in the output (``[T, N, N]``), int64;
-    the int32 offsets from there and the in-bounds masks of both; the masks of real rows
-    ``[1, RI, 1, RO, 1]`` and real columns ``[1, 1, CB, 1, 4]``. With ``RS = N`` inputs and output
-    are laid out alike; the launchers pad unaligned rows (``RS > N``) so that they load as vectors.
-    """
+    """Program ``i_b``'s ``[BLOCK_T, RI, CB, RO, 4]`` tile: the int64 starts of its first matrix in the
+    inputs (``[T, N, RS]``, ``RS >= N``) and the output (``[T, N, N]``), the int32 offsets from there,
+    their in-bounds masks, and the masks of real rows ``[1, RI, 1, RO, 1]`` and columns
+    ``[1, 1, CB, 1, 4]``."""
     RO: tl.constexpr = NP // RI
     CB: tl.constexpr = NP // VEC
     t0 = i_b.to(tl.int64) * BLOCK_T
@@ -370,11 +347,8 @@ def _plan(kind: str, n: int, rs: int, fp64: bool, T) -> LaunchPlan:
 
 
 def row_stride(n: int, element_size: int) -> int:
-    """Entries per row of the inputs the kernels read: ``n``, or ``n`` rounded up to 16 bytes
-    where rows of ``n`` entries are not 8-byte aligned (fp32: odd ``n``). Such rows cannot be
-    loaded even as pairs, and the compiler then lays the whole kernel out for scalar loads (padding
-    them pays for the copy that pads). Rows of 8 bytes (n = 6, 10) load as pairs and were slower
-    padded."""
+    """Entries per row of the inputs the kernels read: ``n``, or ``n`` rounded up to 16 bytes where rows
+    are not 8-byte aligned (fp32: odd ``n``), which the compiler would load as scalars throughout."""
     if n * element_size % 8 == 0:
         return n
     per_vector = max(1, 16 // element_size)

@@ -1,15 +1,8 @@
-"""Activation checkpointing of models with hyper-connection sites.
+"""Activation checkpointing of models with hyper-connection sites (``docs/recompute.md``).
 
-``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)`` works on layers holding
-``mhc`` sites as on any other, eager and under ``torch.compile``: the region keeps its input
-(for an mHC model the ``n``-wide streams) and the sites' ops run again in the backward. Two
-additions:
-
-- :func:`checkpoint_policy`: a selective activation checkpointing policy (for
-  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``) that says which of ``mhc``'s
-  ops keep their outputs and which are recomputed;
-- :func:`checkpoint_layers`: checkpoint ``every`` consecutive layers as one region, so that the
-  streams are kept once per ``every`` layers (the trade is in ``docs/recompute.md``).
+``torch.utils.checkpoint`` works on layers holding sites, eager and compiled. In addition:
+:func:`checkpoint_policy`, a selective checkpointing policy over ``mhc``'s ops, and
+:func:`checkpoint_layers`, ``every`` consecutive layers as one region.
 """
 
 from __future__ import annotations
@@ -40,27 +33,19 @@ def _mhc_op_name(op) -> str | None:
 def checkpoint_policy(save: Iterable[str] = (), otherwise: Callable | None = None) -> Callable:
     """A selective activation checkpointing policy for ``mhc``'s ops.
 
-    Inside a region checkpointed with
-    ``context_fn=functools.partial(create_selective_checkpoint_contexts, policy)``, the ``mhc`` ops
-    named in ``save`` keep their outputs (``MUST_SAVE``) and every other ``mhc`` op is recomputed in
-    the backward (``PREFER_RECOMPUTE``); any op that is not ``mhc``'s is decided by
-    ``otherwise(ctx, op, *args, **kwargs)`` (default: recompute), so that ``mhc``'s choice composes
-    with a model's own policy (saving matmuls, say).
+    Inside a region checkpointed with ``context_fn=functools.partial(create_selective_checkpoint_contexts,
+    policy)``, the ``mhc`` ops named in ``save`` keep their outputs and every other ``mhc`` op is
+    recomputed; ops that are not ``mhc``'s are decided by ``otherwise(ctx, op, *args, **kwargs)``
+    (default: recompute), so that it composes with a model's own policy. Eager and compiled alike.
 
     Args:
-        save: names from :data:`SAVABLE_OPS`. ``("mhc_coefficients_fwd",)`` keeps each site's
-            branch input and per-token coefficients (``d`` values and ``3n^2 + 4n + 1`` fp32 per
-            token), so that the backward recomputes only the post-mix of the region's sites.
+        save: names from :data:`SAVABLE_OPS`. ``("mhc_coefficients_fwd",)`` keeps each site's branch
+            input and per-token coefficients, so that the backward recomputes only the post-mixes.
         otherwise: the policy of every other op, or ``None``.
-
-    Under ``torch.compile`` the policy tags the compiled graph's ops; in eager mode the sites call
-    their kernels through the registered ops while the policy's dispatch mode is active, so the
-    same choice holds there.
 
     Raises:
         ValueError: a name in ``save`` is not in :data:`SAVABLE_OPS`.
-        TypeError: ``save`` is a single string, or ``otherwise`` is not callable.
-    """
+        TypeError: ``save`` is a single string, or ``otherwise`` is not callable."""
     if isinstance(save, str):
         raise TypeError(f"save must be a collection of op names, got the string {save!r}; write ({save!r},)")
     save = tuple(save)
@@ -85,20 +70,14 @@ def checkpoint_policy(save: Iterable[str] = (), otherwise: Callable | None = Non
 def checkpoint_layers(
     layers: Sequence[Callable], x: torch.Tensor, *args, every: int = 1, context_fn: Callable | None = None, **kwargs
 ):
-    """``x = layer(x, *args, **kwargs)`` for each of ``layers`` in turn, ``every`` consecutive
-    layers per non-reentrant checkpoint region (the extra arguments go to every layer: masks,
-    position embeddings).
-
-    A region keeps only its input: ``every = 1`` keeps every layer's input streams
-    (``[..., n, d]`` for an mHC model, the ``n``-fold of a plain model's); ``every = k`` keeps them
-    once per ``k`` layers, and the backward of a region holds its ``k`` layers' recomputed
-    activations at once. ``context_fn`` goes to ``torch.utils.checkpoint.checkpoint`` (selective
-    checkpointing, :func:`checkpoint_policy`). With grad mode off the layers just run.
+    """``x = layer(x, *args, **kwargs)`` for each of ``layers``, ``every`` consecutive layers per
+    non-reentrant checkpoint region (the extra arguments go to every layer). A region keeps only its
+    input streams; its backward holds its layers' recomputed activations at once. ``context_fn`` goes
+    to ``torch.utils.checkpoint.checkpoint``. With grad mode off the layers just run.
 
     Raises:
         TypeError: ``every`` is not an int, a layer is not callable.
-        ValueError: ``every < 1``.
-    """
+        ValueError: ``every < 1``."""
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be an int, got {type(every).__name__}")
     if every < 1:

@@ -1,16 +1,10 @@
 """Recomputing the streams in the backward: mHC at about the plain model's activation memory
-(arXiv 2512.24880, section 4.3).
+(arXiv 2512.24880, section 4.3; ``docs/recompute.md``).
 
-Without recompute every site saves the streams it reads, ``n * dim`` values per token. With
-:func:`recompute_streams`, the sites of a model form blocks of ``every`` consecutive sites (in the
-order they run); only the first site of a block keeps its streams. Every later site keeps a
-*recipe* instead: the block's first streams ``x_s`` and the post-mix steps since,
-``x_{k+1} = h_res_k x_k + h_post_k y_k``, whose per-token coefficients and branch outputs ``y_k``
-the post-mixes keep anyway. The backward rebuilds the streams with the forward's own mixing
-kernel (so they are bit-identical to the forward's); the branches never run again.
-
-``docs/recompute.md`` gives the memory arithmetic, the measurements and why the design is a
-model-level setting rather than an argument of each site.
+With :func:`recompute_streams` the sites form blocks of ``every`` consecutive sites; the first of
+a block keeps its streams, the others a recipe (those streams and the post-mix steps since, whose
+coefficients and branch outputs the post-mixes keep anyway). The backward rebuilds the streams
+with the forward's mixing kernel, bit-identical; the branches never run again.
 """
 
 from __future__ import annotations
@@ -53,12 +47,9 @@ def _under_checkpoint() -> bool:
 
 
 def _kept(t: torch.Tensor | None) -> torch.Tensor | None:
-    """What the setting keeps of a recipe tensor: under ``torch.compile`` a detached alias. The
-    setting outlives the compiled forward (the model's hooks clear it outside the compiled frame),
-    so every tensor it holds at the end becomes an output of the compiled graph, and one that
-    requires grad gets a gradient of zeros made at the start of the backward: a set of streams
-    per block start. The recipe needs no gradient (the Functions return none for it); eager mode
-    keeps the tensors themselves (the reference path's double backward goes through them)."""
+    """What the setting keeps of a recipe tensor: under ``torch.compile`` a detached alias (a tensor held
+    past the compiled forward becomes a graph output, and one that requires grad gets a gradient of
+    zeros); eager mode keeps the tensor (the reference path's double backward goes through it)."""
     return t.detach() if t is not None and torch.compiler.is_compiling() else t
 
 
@@ -67,8 +58,7 @@ class StreamRecompute:
 
     ``every``: the block length ``L_r`` (sites per block; the first keeps its streams).
     ``last_site``: the model's last site in module order, which no site follows (``None``: not
-    known). Made by :func:`recompute_streams`; sites read it as ``site._recompute``.
-    """
+    known). Made by :func:`recompute_streams`; sites read it as ``site._recompute``."""
 
     def __init__(self, every: int, last_site=None):
         self.every, self.last_site = every, last_site
@@ -132,12 +122,8 @@ class StreamRecompute:
 
     def advance(self, x: torch.Tensor, step: tuple, out: torch.Tensor, at: StreamsAt | None, site=None) -> None:
         """A post-mix made ``out`` from ``x`` with ``step = (h_res, y, h_post)``; ``at``: the cache of
-        ``out``'s position; ``site``: the site whose post-mix it was, if no site is chained to it.
-
-        ``out`` is kept for the next site's identity check unless nothing can continue from it: the
-        block is full, or ``site`` is the model's last. Under ``torch.compile`` a tensor kept at
-        the end of the forward leaves the compiled graph as an output and gets a gradient of zeros,
-        a set of streams, made at the start of the backward."""
+        ``out``'s position; ``site``: the site whose post-mix it was, if no site is chained to it. ``out``
+        is kept for the next site's identity check unless the block is full or ``site`` is the last."""
         if not self._current(x):
             self.streams = None
             return
@@ -179,8 +165,7 @@ def recompute_streams(model: nn.Module, every: int | None = None) -> StreamRecom
     Raises:
         TypeError: ``model`` is not a module, has no ``forward`` of its own (an ``nn.ModuleList``),
             or ``every`` is not an int.
-        ValueError: ``every < 1``, or ``model`` has no hyper-connection site.
-    """
+        ValueError: ``every < 1``, or ``model`` has no hyper-connection site."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int)):

@@ -1,24 +1,13 @@
-"""Where a hyper-connection site's coefficients come from.
+"""Where a hyper-connection site's coefficients come from: one small stateless source per kind of
+layer, held as ``site.source``.
 
-One source per kind of layer, each a small stateless object that :class:`mhc.modules.site.Site` holds
-as ``site.source``:
-
-- :data:`DYNAMIC_MHC`: per-token mHC coefficients (arXiv 2512.24880, Eq. 7-9 in the kernel form of
-  Eq. 10-19): one projection of the RMS-normalised flattened token, gates, biases, ``sigmoid``,
-  ``2 sigmoid`` and Sinkhorn;
-- :data:`DYNAMIC_HC`: per-token coefficients of the original hyper-connection (arXiv 2409.19606):
-  per-stream RMS norm and ``a * tanh(x W) + b``, unconstrained;
-- :data:`STATIC_MHC`, :data:`STATIC_HC`: one set of coefficients per layer, from its biases.
-
-Each source computes the coefficients with PyTorch ops (:meth:`reference`, the reference path and
-the oracle of the tests) and starts a site on the fused path (:meth:`fused_start`: the branch
-input, the coefficients per flattened token and the streams to pass on). Only dynamic mHC has
-fused coefficient kernels (and so a fused seam, :mod:`mhc.modules.site`); the other sources feed
-PyTorch coefficients to the fused mixing kernels.
-
-Axis legend (einops): ``...`` leading dims, ``s`` source stream, ``t`` target stream, ``d`` channels.
-Coefficients are fp32 whatever the activation dtype, fp64 when the activations or the parameters
-are fp64 (so that a ``.double()`` layer is the exact oracle of the fused kernels).
+:data:`DYNAMIC_MHC` (per-token mHC, arXiv 2512.24880 Eq. 7-19), :data:`DYNAMIC_HC` (per-token
+hyper-connections, arXiv 2409.19606: per-stream RMS norm, ``a * tanh(x W) + b``), :data:`STATIC_MHC`
+and :data:`STATIC_HC` (one set per layer, from its biases). Each computes the coefficients with
+PyTorch ops (:meth:`reference`: the reference path and the tests' oracle) and starts a site on the
+fused path (:meth:`fused_start`); only dynamic mHC has fused coefficient kernels. Coefficients are
+fp32 whatever the activations' dtype, fp64 for fp64 activations or parameters. Axes (einops):
+``...`` leading dims, ``s`` source stream, ``t`` target stream, ``d`` channels.
 """
 
 from __future__ import annotations

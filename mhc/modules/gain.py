@@ -23,8 +23,7 @@ class GainReport:
 
     ``forward[l]`` / ``backward[l]``: max absolute row / column sum of layer ``l``'s ``h_res``.
     ``composite_forward[l]`` / ``composite_backward[l]``: the same for the product
-    ``h_res[l] @ ... @ h_res[0]`` (the map from the input streams to layer ``l``'s output).
-    """
+    ``h_res[l] @ ... @ h_res[0]`` (the map from the input streams to layer ``l``'s output)."""
 
     forward: torch.Tensor
     backward: torch.Tensor
@@ -82,8 +81,7 @@ def collect_h_res(model: nn.Module) -> Iterator[list]:
 
     ``with collect_h_res(model) as h_res: model(x)``; then ``h_res`` holds one detached
     ``[..., n, n]`` tensor per hyper-connection call, in call order: ready for :func:`amax_gain`.
-    Blocks nest: an inner block records what the outer one does while both are open.
-    """
+    Blocks nest: an inner block records what the outer one does while both are open."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     records: list = []

@@ -80,8 +80,7 @@ class HyperConnection(nn.Module, Site):
     Parameters: ``bias [2n + n*n]`` (``[b_pre | b_post | vec(b_res)]``), and for dynamic layers
     ``alpha [3]`` (the gates ``a_pre, a_post, a_res``) and ``phi`` (``[n*dim, 2n + n*n]`` for mHC,
     ``[dim, n + 2]`` for HC). ``b_pre``, ``b_post``, ``b_res``, ``a_pre``, ``a_post``, ``a_res``
-    are views of them by those names.
-    """
+    are views of them by those names."""
 
     def __init__(
         self,

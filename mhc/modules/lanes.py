@@ -41,8 +41,7 @@ class LaneMixer(nn.Module):
 
     ``backend`` selects the Sinkhorn (:func:`~mhc.layer.sinkhorn`: Triton kernels for any
     ``n <= 64``) and the mix: the fused mixing kernel for ``n <= MAX_STREAMS`` (16), a batched
-    matmul above (no fused kernel there; ``backend="triton"`` still runs the Sinkhorn kernels).
-    """
+    matmul above (no fused kernel there; ``backend="triton"`` still runs the Sinkhorn kernels)."""
 
     _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
 

@@ -1,22 +1,11 @@
-"""Which path runs a hyper-connection site, and how one site hands over to the next.
+"""A hyper-connection site: ``x_in, finish = site.split(x)`` mixes the streams into the branch input,
+``finish(y)`` merges the branch output back into them (``docs/architecture.md``).
 
-A *site* is one hyper-connection around one branch: ``x_in, finish = site.split(x)`` mixes the
-streams into the branch input, ``finish(y)`` merges the branch output back into the streams.
-:class:`Site` holds the part every site shares; :class:`mhc.mixing.HyperConnection` is the site
-users build, and :mod:`mhc.integrations` adapt other models' modules to it.
-
-Two paths, chosen per call by :func:`mhc.ops.path.choose`:
-
-- the reference path (``"torch"``): coefficients from ``site.source.reference`` and the mixes as
-  ``einsum``; :class:`ReferenceFinish`;
-- the fused path (``"triton"``): ``site.source.fused_start`` (for dynamic mHC one kernel computes
-  the coefficients and the pre-mix) and the post-mix kernel; :class:`FusedFinish`.
-
-``finish(y, next=site_2)`` ends this site and starts the next one, returning ``site_2``'s
-``(x_in, finish)``: the same values as ``site_2.split(finish(y))``. On the fused path, when the
-next site has dynamic mHC coefficients, the two steps run as one autograd op, the *seam*
-(:class:`mhc.ops.mixing.MHCSeamFunction`: one node and one set of saved tensors per boundary
-instead of two). Everywhere else ``next=`` composes the two steps.
+:class:`Site` holds what every site shares; :class:`mhc.mixing.HyperConnection` is the one users
+build. The path (:func:`mhc.ops.path.choose`) is the reference (:class:`ReferenceFinish`) or the
+fused kernels (:class:`FusedFinish`). ``finish(y, next=site_2)`` returns ``site_2.split(finish(y))``;
+on the fused path, when ``site_2`` has dynamic mHC coefficients, as one autograd op, the *seam*
+(:class:`mhc.ops.mixing.MHCSeamFunction`).
 """
 
 from __future__ import annotations
@@ -106,8 +95,7 @@ class Site:
 
     A subclass (an ``nn.Module``) sets the attributes declared below and defines
     :meth:`mixing_parameters`: :class:`mhc.modules.hyper_connection.HyperConnection` in its
-    ``__init__``, :func:`mhc.integrations.transformers.patch_deepseek_v4` from V4's config.
-    """
+    ``__init__``, :func:`mhc.integrations.transformers.patch_deepseek_v4` from V4's config."""
 
     n_streams: int
     dim: int
@@ -160,8 +148,7 @@ class Site:
         the result: ``(streams, *y[1:])``, or ``(x_in_2, finish_2, *y[1:])`` with ``next``.
 
         ``DTensor`` streams sharded over their tokens run as their local shards; ``x_in`` and the
-        streams ``finish`` returns are ``DTensor``\\ s of the same layout (:mod:`mhc.ops.local`).
-        """
+        streams ``finish`` returns are ``DTensor``\\ s of the same layout (:mod:`mhc.ops.local`)."""
         return self._split(x)
 
     def _split(self, x: torch.Tensor, layout=None):

@@ -97,8 +97,7 @@ def stream_collapse(
 
     The weights come from PyTorch ops in fp32 (one projection per token, ``n`` columns); the
     weighted sum runs on the fused mixing kernel (``backend="triton"``, or ``"auto"`` on CUDA for
-    ``n <= 16``) or in fp32 PyTorch ops (``"torch"``), and is returned in ``x``'s dtype.
-    """
+    ``n <= 16``) or in fp32 PyTorch ops (``"torch"``), and is returned in ``x``'s dtype."""
     check_streams_shape(x, x.shape[-2] if x.dim() >= 2 else 1, None, "x")
     n, dim = x.shape[-2], x.shape[-1]
     check_operand(phi, ((n * dim, n),), "phi", x.device)
@@ -119,8 +118,7 @@ class StreamCollapse(nn.Module):
 
     Starts as the mean of the streams (``phi = 0``, ``sigmoid(b_pre) = 1/n``), where
     :func:`reduce_streams` stays. ``eps`` is DeepSeek-V4's ``hc_eps`` (default 0).
-    ``weights(x) -> [..., n]`` (fp32). See :func:`stream_collapse` for the paths.
-    """
+    ``weights(x) -> [..., n]`` (fp32). See :func:`stream_collapse` for the paths."""
 
     _mhc_sequence_parallel = False  # set by mhc.distributed.parallelize_sites
 

@@ -1,31 +1,10 @@
-"""How the Triton launchers become ``torch.library`` ops that ``torch.compile`` and ``torch.export``
-trace.
+"""The Triton launchers as ``torch.library`` ops that ``torch.compile`` and ``torch.export`` trace.
 
-``torch.library.triton_op`` registers an op whose body the compiler traces: the
-Triton kernels it launches through ``torch.library.wrap_triton`` appear in the compiled graph and
-Inductor launches them from its own generated code (Python, ``cpp_wrapper`` C++ or an AOTInductor
-package), with no Python op wrapper or launcher of ours per kernel. ``torch.library.custom_op`` is
-opaque: the compiled graph calls back into Python for every op. :func:`kernel_op` registers a
-launcher as a ``triton_op`` where it can and as a ``custom_op`` otherwise:
-
-- ``TRITON_INTERPRET=1``: the interpreter's kernels cannot be traced (they are not compiled
-  ``JITFunction``\\ s) and Inductor would compile them for the CPU;
-- ``MHC_TRITON_OP=0``: the opaque ops on purpose (comparison, debugging);
-- no Triton installed (nothing launches then anyway).
-
-While a ``triton_op``'s body runs (traced with fake tensors, or eagerly), the kernel layer's
-:data:`mhc.kernels._launch.tracing` is set and :func:`mhc.kernels._launch.launch` goes through
-``wrap_triton`` instead of its cached launcher, which reads data pointers that fake tensors do not
-have. Outside the ops (eager mode)
-nothing changes.
-
-The first trace of an op (its fake implementation, or a ``triton_op``'s body) installs the two
-wrappers of PyTorch internals that act on ``mhc``'s graph pieces only (never at import,
-``docs/architecture.md``): :mod:`mhc._compat.write_analysis` (PyTorch analyses which arguments a
-traced kernel writes once per kernel specialization instead of several times per call, which would
-otherwise dominate the compile time of a model with many sites) and
-:func:`mhc._compat.backport_checkpoint_tags` (checkpointed regions under ``torch.compile`` on
-PyTorch < 2.12).
+:func:`kernel_op` registers a launcher as a ``triton_op`` (Inductor launches its kernels from its
+own generated code) where it can, and as an opaque ``custom_op`` under ``TRITON_INTERPRET=1``,
+with ``MHC_TRITON_OP=0`` or without Triton (``docs/compile.md``). While a ``triton_op``'s body
+runs, :func:`mhc.kernels._launch.launch` goes through ``wrap_triton``. The first trace installs
+the two wrappers of ``docs/architecture.md`` ("What ``import mhc`` changes outside ``mhc``").
 """
 
 from __future__ import annotations
@@ -69,13 +48,10 @@ def kernels():
 
 
 def kernel_op(name: str, fake, opaque: bool = False):
-    """Register the launcher ``fn`` as the op ``name`` (``"mhc::..."``, no argument mutated):
-    a ``triton_op`` where :data:`TRITON_OP`, else a ``custom_op`` with the fake implementation
-    ``fake`` (a ``triton_op`` derives its own by running ``fn`` on fake tensors).
-
-    ``opaque``: always a ``custom_op``, one node of the compiled graph. Identical calls of such an
-    op are merged by the graph's common-subexpression pass; a ``triton_op``'s calls never are, since
-    each allocates its output with ``aten.empty``, which that pass leaves alone."""
+    """Register the launcher ``fn`` as the op ``name`` (``"mhc::..."``, no argument mutated): a
+    ``triton_op`` where :data:`TRITON_OP`, else a ``custom_op`` with the fake implementation ``fake``.
+    ``opaque``: always a ``custom_op``, whose identical calls the compiled graph's common-subexpression
+    pass merges (it leaves a ``triton_op``'s ``aten.empty`` outputs alone)."""
 
     def register(fn):
         REGISTERED.append(name)

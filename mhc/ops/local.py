@@ -1,18 +1,8 @@
-"""Per-token modules on ``DTensor``\\ s: the local shard of a token-sharded input and back, the
-local tensors of replicated ``DTensor`` parameters, and initial values for ``DTensor`` parameters.
-
-Everything a site, a lane mixer or a stream module computes is per token, so it runs on each
-rank's tokens as they are. A ``DTensor`` input sharded over its token dims (any mesh; ``Shard``
-of a leading dim, or ``Replicate``) runs as its local shard (:func:`local_tokens`), and the output
-is a ``DTensor`` with the input's mesh, placements and global token dims (:func:`as_dtensor`),
-even where the shards are uneven. The module's parameters must then be ``DTensor``\\ s replicated
-over the same mesh, however they were made (:func:`mhc.distributed.parallelize_sites`,
-``distribute_module``, ``SequenceParallel()``, FSDP2's unsharded copies): the ops take their
-local tensors (:func:`local_parameters`), whose gradients are partial sums (``Partial()``) over
-the mesh dims that shard the tokens (each rank's gradient covers its own tokens) and replicated
-over the others. ``DTensor`` sums the partial ones where the gradient is read (the optimizer,
-``full_tensor()``, FSDP2's reduction); :func:`mhc.distributed.parallelize_sites` reduces them once
-at the end of each backward instead.
+"""Per-token modules on ``DTensor``\\ s (``docs/distributed.md``): a token-sharded input runs as its
+local shard (:func:`local_tokens`) and comes back as a ``DTensor`` of the input's layout, uneven
+shards included (:func:`as_dtensor`); replicated ``DTensor`` parameters are taken as their local
+tensors (:func:`local_parameters`), whose gradients are ``Partial()`` over the mesh dims that shard
+the tokens.
 """
 
 from __future__ import annotations
@@ -84,13 +74,11 @@ def as_dtensor(t: torch.Tensor, layout: TokenLayout | None):
 
 
 def local_parameters(module, params: tuple, layout: TokenLayout | None = None, tokens: bool = True) -> tuple:
-    """``params`` (tensors or ``None``) as the ops take them. Plain parameters stay as they are,
-    unless the input came as a ``DTensor`` (``layout``): their gradients would then cover this
-    rank's tokens only, so that is a ``TypeError``. ``DTensor`` parameters become their local
-    tensors with the gradient placements of ``layout`` (a sequence-parallel module's plain input
-    is a local shard: partial sums, reduced by :func:`mhc.distributed.parallelize_sites`); with a
-    plain input to a module that is not sequence-parallel they are a ``TypeError``, unless no
-    tokens come in at all (``tokens=False``: a static ``LaneMixer``'s matrix, then a ``DTensor``)."""
+    """``params`` (tensors or ``None``) as the ops take them: ``DTensor`` parameters as their local
+    tensors with the gradient placements of ``layout``; plain ones as they are. A ``TypeError`` for
+    plain parameters with a ``DTensor`` input (their gradients would cover one rank's tokens), and for
+    ``DTensor`` parameters with a plain input to a module that is not sequence-parallel, unless no
+    tokens come in (``tokens=False``: a static ``LaneMixer``'s matrix)."""
     dtensors = [p for p in params if p is not None and is_dtensor(p)]
     if not dtensors:
         if layout is not None and any(p is not None for p in params):
@@ -142,11 +130,9 @@ def _local(p, grads):
 
 
 class _LocalTensors(torch.autograd.Function):
-    """The local tensors of replicated ``DTensor`` parameters, their gradients with the placements
-    ``grads``: what ``p.to_local(grad_placements=grads)`` gives, in one autograd node for all of a
-    module's parameters and with the gradients' specs reused (:func:`mhc._compat.unsharded_dtensor`),
-    so a site's host work under sequence parallelism does not grow by a node and a spec per
-    parameter. Double backward goes through ``DTensor.from_local``, which autograd follows."""
+    """``p.to_local(grad_placements=grads)`` for all of a module's replicated ``DTensor`` parameters in
+    one autograd node, the gradients' specs reused (:func:`mhc._compat.unsharded_dtensor`). Double
+    backward goes through ``DTensor.from_local``."""
 
     @staticmethod
     def forward(ctx, grads, *params):

@@ -1,16 +1,10 @@
-"""Fused hyper-connection ops: ``torch.library`` ops over the stream-mixing and mHC coefficient
-kernels, their autograd Functions and the functionals that :mod:`mhc.modules.site` calls on the
-``"triton"`` path.
+"""Fused hyper-connection ops, read top to bottom: ``torch.library`` ops over the stream-mixing and
+coefficient kernels -> autograd Functions -> the functionals :mod:`mhc.modules.site` calls.
 
-Read top to bottom: ops (what ``torch.compile`` traces) -> Functions -> functionals.
-
-Every Function takes streams ``x [..., n, d]`` and branch tensors ``[..., d]`` with any leading
-dims, and per-token fp32 coefficients flattened over them (``[T, n]``, ``[T, n, n]``). The
-Functions that start a site (pre-mix, mHC coefficients, seam) return the streams they mix as
-their last output (``x_pass``), which the site's post-mix (or the next seam) then consumes: the
-post-mix's gradient of the streams arrives at the starting Function's backward as the gradient of
-``x_pass`` and is added there in the same pass that writes its own gradient, so the streams'
-gradient is written once per site.
+Streams ``x [..., n, d]``, branch tensors ``[..., d]``, per-token fp32 coefficients flattened over
+the leading dims. The Functions that start a site return the streams they mix as ``x_pass``,
+which the post-mix consumes, so the post-mix's gradient of the streams is added in the starting
+Function's backward: the streams' gradient is written once per site (``docs/mixing.md``).
 """
 
 from __future__ import annotations
@@ -105,13 +99,7 @@ def _coefficients_fwd_fake(x, phi, alpha, bias, iters, eps, hc_eps):
 
 @kernel_op("mhc::mhc_coefficients_fwd", _coefficients_fwd_fake)
 def _coefficients_fwd_op(
-    x: torch.Tensor,
-    phi: torch.Tensor,
-    alpha: torch.Tensor,
-    bias: torch.Tensor,
-    iters: int,
-    eps: float,
-    hc_eps: float,
+    x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int, eps: float, hc_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return kernels().mhc_coefficients.coefficients_fwd_unchecked(x, phi, alpha, bias, iters, eps, hc_eps)
 
@@ -364,15 +352,10 @@ def _parameter_grads(ctx, packed):
 class MHCPreMixFunction(torch.autograd.Function):
     """Dynamic mHC coefficients and the pre-mix in one op (the kernels of ``mhc_coefficients``).
 
-    ``(x [..., n, d], phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])`` (parameters in any float
-    dtype, read into fp32 by the kernels) -> ``(x_in [..., d], h_pre [T, n], h_post [T, n],
-    h_res [T, n, n], x_pass = x)``. Saved: ``x`` and per-token fp32 values (``p``, ``r``,
-    coefficients, Sinkhorn logits); ``at, *recipe``: recompute mode (above).
-
-    ``with_h_pre=False`` returns ``None`` for ``h_pre``, for callers that only pre-mix with it (a
-    site's ``split``): under ``torch.compile`` a returned ``h_pre`` that nothing uses gets a
-    gradient of zeros, made by a kernel of its own and read by the backward for nothing.
-    """
+    ``(x [..., n, d], phi [n*d, 2n + n*n], alpha [3], bias [2n + n*n])`` (any float dtype) ->
+    ``(x_in [..., d], h_pre [T, n], h_post [T, n], h_res [T, n, n], x_pass = x)``. Saves ``x`` and
+    per-token fp32 values; ``at, *recipe``: recompute mode (above). ``with_h_pre=False`` returns
+    ``None`` for ``h_pre`` (under ``torch.compile`` an unused output gets a kernel of zeros)."""
 
     @staticmethod
     def forward(
@@ -409,21 +392,13 @@ class MHCPreMixFunction(torch.autograd.Function):
 
 
 class MHCSeamFunction(torch.autograd.Function):
-    """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s dynamic mHC
-    coefficients and pre-mix as one autograd op (one node, one set of saved tensors) over the
-    post-mix and coefficient kernels. Fused kernels for both were built and measured no faster
-    (dev/LOG.md, "The seam").
+    """The seam between two mHC sites: site ``l``'s post-mix and site ``l+1``'s coefficients and pre-mix
+    as one autograd op (one node, one set of saved tensors).
 
-    ``(x [..., n, d], y [..., d], h_post_l [T, n], h_res_l [T, n, n])`` (site ``l``'s post-mix
-    inputs) and site ``l+1``'s ``(phi, alpha, bias)`` -> site
-    ``l+1``'s ``(x_in, h_pre, h_post, h_res, x_pass)``, as :class:`MHCPreMixFunction` returns for
-    the streams ``x_pass`` that the post-mix produces. Saves what the post-mix and the coefficient
-    forward would save apart.
-
-    ``with_h_pre``: as for :class:`MHCPreMixFunction`. Recompute mode (above): ``at, linked,
-    link, *recipe`` rebuild ``x``; ``next_at`` caches ``x_pass``, which is saved only with
-    ``keep_next`` (it starts a block) and otherwise rebuilt from ``x``.
-    """
+    ``(x [..., n, d], y [..., d], h_post_l [T, n], h_res_l [T, n, n])`` and site ``l+1``'s ``(phi,
+    alpha, bias)`` -> site ``l+1``'s ``(x_in, h_pre, h_post, h_res, x_pass)``. Recompute mode (above):
+    ``at, linked, link, *recipe`` rebuild ``x``; ``next_at`` caches ``x_pass``, saved only with
+    ``keep_next`` (it starts a block) and otherwise rebuilt from ``x``."""
 
     @staticmethod
     def forward(

@@ -1,14 +1,9 @@
-"""Which implementation runs an op: the one place that decides.
+"""Which implementation runs an op: the one place that decides (``docs/architecture.md``).
 
-Every public entry point (``sinkhorn``, a site, ``LaneMixer``, ``stream_collapse``, the fused
-loss) takes ``backend="auto" | "triton" | "torch"`` and asks :func:`choose` (the loss:
-:func:`choose_loss`) once per call:
-
-- ``"auto"``: the Triton kernels for CUDA tensors the kernels take (``n`` within their limit,
-  the loss's dtypes), the PyTorch reference everywhere else: on a CPU, and under ``torch.func``
-  transforms and forward-mode AD, which autograd Functions cannot run under;
-- ``"triton"``: the kernels, or an error that says why they cannot run (nothing falls back);
-- ``"torch"``: the PyTorch reference (:mod:`mhc.reference`), the code the tests trust in fp64.
+Every entry point takes ``backend="auto" | "triton" | "torch"`` and asks :func:`choose` (the loss:
+:func:`choose_loss`) once per call. ``"auto"``: the kernels for CUDA tensors they take, the PyTorch
+reference elsewhere (a CPU, ``torch.func`` transforms, forward-mode AD); ``"triton"``: the kernels
+or an error saying why not; ``"torch"``: :mod:`mhc.reference`, the code the tests trust in fp64.
 """
 
 from __future__ import annotations

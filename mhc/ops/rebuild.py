@@ -1,21 +1,12 @@
 """How an op's backward rebuilds the streams it did not save: the op-level half of
-:func:`mhc.memory.recompute_streams` (arXiv 2512.24880, section 4.3), whose
-:class:`~mhc.memory.recompute.StreamRecompute` decides which streams a site keeps.
+:func:`mhc.memory.recompute_streams` (arXiv 2512.24880, section 4.3; ``docs/recompute.md``).
 
-- A :class:`Plan` is what a site's Functions get in place of streams: the block's first streams and
-  the post-mix steps since (:func:`function_args` turns it into the Functions' trailing arguments).
-- :class:`StreamsAt` (one per position of a block) caches the rebuilt streams in the backward: the
-  first site to need position ``p`` (the block's last site runs its backward first) rebuilds
-  positions ``1..p`` once; each position is freed when the Functions that read it are done. The
-  transient is at most one block of streams, which is what the paper's ``L_r* = sqrt(n L / (n + 2))``
-  balances against the blocks' first streams (:func:`mhc.memory.recompute.optimal_block`).
-- Under ``torch.compile`` the Functions cannot share Python state in their backward: each one
-  rebuilds its streams from the block's first ones, one ``mhc::stream_recompute`` op per step
-  (:mod:`mhc.ops.mixing`), all from one backward value that the block's Functions hand each other
-  through *links*, so that the compiled graph's common-subexpression pass merges the repeats.
-- The reference path (``backend="torch"``) saves the streams inside PyTorch ops, so there the
-  site's ops run under saved-tensor hooks (:func:`reference_scope`) that swap every saved tensor
-  sharing the streams' memory for a handle that rebuilds it.
+A :class:`Plan` is what a site's Functions get in place of streams (the block's first streams and
+the post-mix steps since; :func:`function_args`). :class:`StreamsAt` caches the rebuilt streams in
+the backward, each position built once and freed after its last reader. Under ``torch.compile``
+each Function rebuilds from the block's first streams (``mhc::stream_recompute``), and *links*
+between them let common-subexpression elimination merge the repeats. The reference path runs
+under saved-tensor hooks (:func:`reference_scope`) that swap saved streams for rebuilding handles.
 """
 
 from __future__ import annotations
@@ -27,15 +18,7 @@ import torch
 from mhc._autocast import autocast_restored, autocast_state
 from mhc._compat import top_saved_tensor_hooks
 
-__all__ = [
-    "StreamsAt",
-    "Plan",
-    "reference_scope",
-    "note_conversion",
-    "function_args",
-    "function_outputs",
-    "steps_of",
-]
+__all__ = ["StreamsAt", "Plan", "reference_scope", "note_conversion", "function_args", "function_outputs", "steps_of"]
 
 
 class StreamsAt:
@@ -65,12 +48,10 @@ class StreamsAt:
 
 
 class Plan:
-    """How a site's Functions get streams that they do not save: the block's first streams
-    ``start``, the steps since (tuples ``(h_res, y, h_post)``), the backward's cache ``at``
-    (``None`` under ``torch.compile``, where the Functions are linked instead) and the
-    ``schedule`` that holds the block's link; ``version``: the streams' version counter when the
-    site read them (eager mode); ``autocast``: the forward's autocast state on the streams'
-    device, under which the reference path rebuilds them (its post-mix is an autocast op)."""
+    """How a site's Functions get streams they do not save: the block's first streams ``start``, the
+    steps since (``(h_res, y, h_post)``), the backward's cache ``at`` (``None`` under
+    ``torch.compile``), the ``schedule`` holding the block's link, the streams' ``version`` counter
+    when read (eager), and the forward's ``autocast`` state (the reference post-mix is an autocast op)."""
 
     __slots__ = ("start", "steps", "at", "schedule", "version", "autocast")
 
@@ -131,13 +112,9 @@ class _Outer:
 
 @contextlib.contextmanager
 def reference_scope(plan: Plan | None, x: torch.Tensor, step, compiled: str = "raise"):
-    """Run PyTorch ops on streams ``x`` so that what they save of ``x`` (views of it, and its
-    conversions registered with :func:`note_conversion`) is rebuilt from ``plan`` in the backward
-    instead of kept. ``step(x, h_res, y, h_post)``: the post-mix of ``plan``'s path.
-
-    Used for a whole site on the reference path, and for plain HC's PyTorch coefficients on the
-    fused path. Under ``torch.compile`` (no saved-tensor hooks there) ``compiled="raise"`` raises,
-    ``"keep"`` lets the ops save ``x``."""
+    """Run PyTorch ops on streams ``x`` so that what they save of ``x`` (views, and conversions from
+    :func:`note_conversion`) is rebuilt from ``plan`` in the backward; ``step``: the post-mix. Under
+    ``torch.compile`` (no saved-tensor hooks) ``compiled="raise"`` raises, ``"keep"`` saves ``x``."""
     if plan is None or (compiled == "keep" and torch.compiler.is_compiling()):
         yield
         return

@@ -1,20 +1,9 @@
-"""How ``DTensor`` runs the registered ``mhc`` ops: a sharding rule per op.
+"""How ``DTensor`` runs the registered ``mhc`` ops: a sharding rule per op (``docs/distributed.md``).
 
-Every ``mhc`` op computes per token. Its tensors are ``[T, ...]`` with the tokens in dim 0, except
-a site's parameters (``phi``, ``alpha``, ``bias``). So an op runs on ``DTensor`` arguments without
-any communication in two ways, on every dim of the mesh:
-
-- everything ``Replicate()``: each rank computes the whole op;
-- the per-token tensors sharded over the tokens (``Shard(0)``) and the parameters replicated: each
-  rank computes its own tokens. The parameters' gradients (the packed output of
-  ``mhc_coefficients_bwd``) are then partial sums over the ranks (``Partial()``), which ``DTensor``
-  reduces where they are read.
-
-Any other layout is first redistributed by ``DTensor`` to one of these (for example streams
-sharded on their channels are gathered). The rules are registered with
-``torch.distributed.tensor.experimental.register_sharding`` when ``mhc`` is imported, wherever
-``torch.distributed`` is available. The layers call the registered ops, and not their launchers,
-when a tensor subclass such as ``DTensor`` comes in (:func:`mhc._compat.through_ops`).
+Every op computes per token (tokens in dim 0; the site's parameters apart), so it runs without
+communication with everything ``Replicate()``, or with the per-token tensors ``Shard(0)`` and the
+parameters replicated (their gradients then ``Partial()``). ``DTensor`` redistributes any other
+layout to one of these. The rules are registered at import wherever ``torch.distributed`` is.
 """
 
 from __future__ import annotations
@@ -27,11 +16,9 @@ __all__ = ["register_rules", "is_dtensor", "on_local_shards"]
 
 
 def on_local_shards(fn, x, block_dims: int):
-    """``fn(x)`` for a ``DTensor`` ``x`` and a function that treats each block of ``x``'s last
-    ``block_dims`` dims on its own (a Sinkhorn per matrix): ``fn`` runs on each rank's local
-    tensor. Shards over the other dims stay where they are; a mesh dim that shards a block dim or
-    holds partial sums is replicated first. Returns a ``DTensor`` of ``fn``'s output (same shape
-    as ``x``) with those placements; autograd flows through."""
+    """``fn(x)`` on each rank's local tensor of a ``DTensor`` ``x``, for an ``fn`` that treats each block
+    of the last ``block_dims`` dims on its own; a mesh dim that shards a block dim or holds partial
+    sums is replicated first. Returns a ``DTensor`` like ``x``; autograd flows through."""
     from torch.distributed.tensor import DTensor, Replicate
 
     def kept(p):

@@ -158,11 +158,9 @@ class _TorchImplicit(torch.autograd.Function):
 
 
 class _TorchExact(torch.autograd.Function):
-    """The reference formulation with its exact backward written out, on matrices laid out
-    ``[n, n, tokens]`` (tokens contiguous: each op is a vectorised loop over tokens, not over
-    ``n``): the forward keeps each step's divisors rather than every iterate, and the backward
-    walks the steps in reverse (:func:`mhc.reference.sinkhorn_exact_backward`). Double backward
-    differentiates the unrolled loop on the saved logits. ``[..., n, n]`` -> ``[..., n, n]``."""
+    """The reference with its exact backward written out, on ``[n, n, tokens]`` (tokens contiguous):
+    the forward keeps each step's divisors, the backward walks the steps in reverse
+    (:func:`mhc.reference.sinkhorn_exact_backward`); double backward differentiates the loop."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
@@ -240,8 +238,7 @@ def sinkhorn(
     matrix makes that whole matrix (and its gradient) NaN, as in ``torch.softmax``; so does a
     ``+inf`` logit, and a row or column that is all ``-inf`` (no doubly stochastic matrix has a zero
     row). A single ``-inf`` entry is a structural zero: the result is finite, with 0 there. Other
-    matrices of the batch are unaffected. Details and tests: ``docs/sinkhorn.md``.
-    """
+    matrices of the batch are unaffected. Details and tests: ``docs/sinkhorn.md``."""
     _check_logits(logits)
     eps = check_settings(iters, backward, backend, eps)
     backend = choose(backend, logits, "sinkhorn" if eps == 0 else "sinkhorn_eps", logits.shape[-1])

@@ -18,15 +18,7 @@ from mhc.reference.sinkhorn import (
     sinkhorn_multiplicative,
     sinkhorn_stable,
 )
-from mhc.reference.site import (
-    biases,
-    coefficient_dtype,
-    collapse_weights,
-    gates,
-    post_mix,
-    pre_mix,
-    rms_inverse,
-)
+from mhc.reference.site import biases, coefficient_dtype, collapse_weights, gates, post_mix, pre_mix, rms_inverse
 
 __all__ = [
     "sinkhorn_multiplicative",

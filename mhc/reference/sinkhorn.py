@@ -1,26 +1,12 @@
 """Pure-PyTorch Sinkhorn-Knopp: the oracle for tests and benchmarks, and the CPU path.
 
-Every function takes logits ``[..., n, n]`` and returns the matrix after ``iters`` iterations of
-the paper's order (Eq. 9): ``M0 = exp(logits)``, then per iteration normalise every column, then
-every row. Arithmetic happens in the input dtype; callers upcast (fp32 or fp64) first.
-
-- :func:`sinkhorn_multiplicative` is the textbook loop. It is the clearest statement of the maths
-  and the one autograd differentiates "exactly", but ``exp`` overflows or whole rows underflow
-  once logits spread by more than ~80 (fp32).
-- :func:`sinkhorn_log` runs the same iterations on log-values (log-sum-exp per axis): robust for
-  any finite logits, several times more expensive.
-- :func:`sinkhorn_stable` is the formulation the Triton kernels use: the first iteration in the
-  log domain, the remaining ones multiplicatively. After one exact row normalisation every row and
-  column sum stays within ``[1/n^2, n]``, so nothing can underflow to a zero row afterwards
-  (``docs/sinkhorn.md`` has the argument).
-- :func:`sinkhorn_eps` is DeepSeek-V4's iteration: ``eps`` added after the first (column)
-  softmax and to every sum it divides by.
-- :func:`sinkhorn_implicit_backward` is the implicit-differentiation gradient at the computed
-  output with the correction for a forward that has not converged.
-- :func:`sinkhorn_divisors` and :func:`sinkhorn_exact_backward` are the CPU path's exact
-  backward without autograd: the forward keeps each step's divisors (``n`` values per matrix per
-  step instead of every iterate), the backward walks the steps in reverse, rebuilding each iterate
-  from the one after it.
+Every function takes logits ``[..., n, n]`` and runs ``iters`` iterations of the paper's order
+(Eq. 9: ``exp``, then per iteration the columns, then the rows) in the input dtype (callers upcast).
+:func:`sinkhorn_multiplicative` is the textbook loop (``exp`` overflows past a spread of ~80 in
+fp32), :func:`sinkhorn_log` the same in the log domain, :func:`sinkhorn_stable` the kernels' form
+(first iteration in the log domain, the rest multiplicative; ``docs/sinkhorn.md``),
+:func:`sinkhorn_eps` DeepSeek-V4's. :func:`sinkhorn_divisors` and :func:`sinkhorn_exact_backward`
+are the CPU path's exact backward without autograd (each step's divisors kept, walked in reverse).
 """
 
 from __future__ import annotations
@@ -99,8 +85,7 @@ def sinkhorn_implicit_backward(out: torch.Tensor, grad_out: torch.Tensor) -> tor
     ``s_c = S^T 1``, solves ``(diag(c) - R^T diag(r)^-1 R) beta = s_c - R^T diag(r)^-1 s_r``,
     sets ``u = (s_r - R beta) / r`` and returns ``R * (grad_out - u 1^T - 1 beta^T)``.
     The system is singular (null vector 1) and its right-hand side sums to zero; the solve is
-    gauge-fixed by pinning ``beta[-1] = 0``. Shapes ``[..., n, n]``.
-    """
+    gauge-fixed by pinning ``beta[-1] = 0``. Shapes ``[..., n, n]``."""
     n = out.shape[-1]
     r = out.sum(dim=-1)
     c = out.sum(dim=-2)
@@ -118,13 +103,10 @@ def sinkhorn_implicit_backward(out: torch.Tensor, grad_out: torch.Tensor) -> tor
 
 
 def sinkhorn_divisors(logits: torch.Tensor, iters: int, eps: float = 0.0, dims: tuple = (-2, -1)):
-    """``(out, first_row, cols, rows)``: :func:`sinkhorn_stable` (``eps = 0``) or
-    :func:`sinkhorn_eps`, the same operations in the same order, with the divisors of every
-    multiplicative step: ``first_row`` (``eps > 0`` only, else ``None``), then per column / row step
-    pair the column sums ``cols [iters - 1, ...]`` and row sums ``rows [iters - 1, ...]`` (kept
-    dims of size 1). ``dims``: where the matrices' row and column indices are; ``(0, 1)`` takes
-    ``[n, n, ...]``, whose tokens are contiguous: every op then runs over whole rows of tokens, which
-    is several times faster on a CPU than ``[..., n, n]`` at small ``n``."""
+    """``(out, first_row, cols, rows)``: :func:`sinkhorn_stable` (``eps = 0``) or :func:`sinkhorn_eps`
+    with the divisors of every multiplicative step (``first_row`` for ``eps > 0``, else ``None``;
+    ``cols``, ``rows`` ``[iters - 1, ...]``). ``dims``: where the row and column indices are; ``(0, 1)``
+    (tokens contiguous) is several times faster on a CPU at small ``n``."""
     r, c = dims
     if eps > 0:
         m = torch.softmax(logits, dim=r) + eps
