@@ -19,6 +19,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from transformers import DeepseekV4ForCausalLM, DeepseekV4Model  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
 
+from mhc import mixing  # noqa: E402
 from mhc.integrations.transformers import patch_deepseek_v4  # noqa: E402
 from mhc.modules.site import KEEP_STREAMS  # noqa: E402
 from mhc.ops import mixing as mixing_ops  # noqa: E402
@@ -124,6 +125,24 @@ def test_greedy_generation_with_a_static_cache(backend):
     except KeyError as e:  # transformers 5.24: no static layer for "heavily_compressed_attention"
         pytest.skip(f"this transformers has no static cache for V4's layer type {e}")
     assert torch.equal(got.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static"), want)
+
+
+@pytest.mark.parametrize("name", ["eps", "variance_epsilon"])
+def test_the_norm_epsilon_under_either_name(name):
+    """transformers 5.25 renamed the unweighted RMS norm's ``eps`` to ``variance_epsilon``: the
+    patched sites and head read whichever the installed version has (0 included)."""
+    ref, got = model_pair("torch")
+    x = torch.randn(2, 3, got.config.hc_mult, got.config.hidden_size, device=KERNEL_DEVICE)
+    for eps in (0.25, 0.0):
+        for module in [m for layer in got.model.layers for m in (layer.attn_hc, layer.ffn_hc)] + [got.model.hc_head]:
+            for old in ("eps", "variance_epsilon"):
+                module.input_norm.__dict__.pop(old, None)
+            setattr(module.input_norm, name, eps)
+        assert all(layer.attn_hc.rms_eps == eps and layer.ffn_hc.rms_eps == eps for layer in got.model.layers)
+        head = got.model.hc_head
+        if eps > 0:  # the head's collapse takes a positive epsilon only
+            want = mixing.stream_collapse(x, head.hc_fn.t(), head.hc_scale, head.hc_base, eps, head.eps, "torch")
+            assert torch.equal(head(x), want)
 
 
 def test_state_dicts_load_both_ways():

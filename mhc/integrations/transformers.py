@@ -46,6 +46,12 @@ def _v4_parameters(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n:
     return phi, scale, bias
 
 
+def _norm_eps(norm) -> float:
+    """The epsilon of V4's unweighted RMS norm: ``variance_epsilon`` from transformers 5.25, ``eps`` before."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _check_not_distributed(base) -> None:
     sites = [m for layer in base.layers for m in (layer.attn_hc, layer.ffn_hc)] + [base.hc_head]
     for site in sites:
@@ -84,7 +90,7 @@ def _patched_classes():
 
         @property
         def rms_eps(self) -> float:
-            return self.input_norm.eps
+            return _norm_eps(self.input_norm)
 
         def mixing_parameters(self):
             return _v4_parameters(self.fn, self.base, self.scale, self.hc_mult)
@@ -110,7 +116,7 @@ def _patched_classes():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return stream_collapse(
-                x, self.hc_fn.t(), self.hc_scale, self.hc_base, self.input_norm.eps, self.eps, self.backend
+                x, self.hc_fn.t(), self.hc_scale, self.hc_base, _norm_eps(self.input_norm), self.eps, self.backend
             )
 
     _PATCHED.update(hc=MHCDeepseekV4HyperConnection, layer=MHCDeepseekV4DecoderLayer, head=MHCDeepseekV4HyperHead)
