@@ -115,12 +115,14 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--root", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--n", type=int, default=4, help="streams (n > 8: the mixing kernels' 3-D tiles)")
+    r.add_argument("--d", type=int, default=1024)
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
     args = p.parse_args(argv)
     if args.command == "run":
-        run(args.root, args.out)
+        run(args.root, args.out, d=args.d, n=args.n)
         return 0
     return compare(args.a, args.b)
 
