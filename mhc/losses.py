@@ -338,22 +338,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if options.lse_square_scale > 0:
             prob_scale = prob_scale + grad_z * (2 * options.lse_square_scale) * lse
         _, grad_backward = _passes(ctx.backend)
-        grad_x, grad_w, grad_b = grad_backward(
-            x,
-            weight,
-            bias,
-            target,
-            lse,
-            prob_scale.contiguous(),
-            target_scale.contiguous(),
-            smooth_scale,
-            need_x,
-            need_w,
-            need_b and bias is not None,
-            class_weight=class_weight,
-            softcap=options.softcap,
-            capturable=options.capturable,
-        )
+        scales = (prob_scale.contiguous(), target_scale.contiguous(), smooth_scale)
+        needs = (need_x, need_w, need_b and bias is not None)
+        keywords = dict(class_weight=class_weight, softcap=options.softcap, capturable=options.capturable)
+        grad_x, grad_w, grad_b = grad_backward(x, weight, bias, target, lse, *scales, *needs, **keywords)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

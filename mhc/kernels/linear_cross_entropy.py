@@ -432,16 +432,8 @@ def _grad_logits_plan(N, D: int, width: int, tile: tuple, precision: str, upcast
 def _grad_input_plan(N, D: int, tile: tuple, precision: str, upcast: bool):
     """A program per ``[BLOCK_N, BLOCK_D]`` tile of ``dx``, grouped as :func:`_grad_logits_plan`."""
     block_n, block_d, block_k, warps, stages = tile
-    meta = dict(
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        BLOCK_K=block_k,
-        GROUP=GROUP,
-        PRECISION=precision,
-        UPCAST=upcast,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    meta = dict(BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_K=block_k, GROUP=GROUP, PRECISION=precision, UPCAST=upcast)
+    meta.update(num_warps=warps, num_stages=stages)
     return LaunchPlan((cdiv(N, block_n) * cdiv(D, block_d),), meta, ("grad_input", tile, precision, upcast))
 
 
@@ -449,21 +441,10 @@ def _logits_meta(D: int, tile: tuple, precision: str, upcast: bool, flags: tuple
     """The meta-parameters of the two kernels that compute logit tiles."""
     block_n, block_v, block_d, warps, stages = tile
     has_bias, softcap, smoothing, has_class_weight = flags
-    return dict(
-        HAS_BIAS=has_bias,
-        SOFTCAP=softcap,
-        SMOOTH=smoothing,
-        HAS_CLASS_WEIGHT=has_class_weight,
-        BLOCK_N=block_n,
-        BLOCK_V=block_v,
-        BLOCK_D=block_d,
-        GROUP=GROUP,
-        EVEN_D=D % block_d == 0,
-        PRECISION=precision,
-        UPCAST=upcast,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    meta = dict(HAS_BIAS=has_bias, SOFTCAP=softcap, SMOOTH=smoothing, HAS_CLASS_WEIGHT=has_class_weight)
+    meta.update(BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d, GROUP=GROUP, EVEN_D=D % block_d == 0)
+    meta.update(PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages)
+    return meta
 
 
 def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, softcap=None):
@@ -482,27 +463,10 @@ def lse_forward(x, weight, bias, target, *, class_weight=None, smoothing=False, 
     partial = torch.empty(4 if smoothing else 3, N, n_splits, device=x.device, dtype=torch.float32)
     if N > 0:
         x_src, w_src, tma = _sources(x, weight, *tile[:3])
-        lse_partials_kernel[plan.grid](
-            x_src,
-            w_src,
-            bias if bias is not None else x,
-            target,
-            class_weight if class_weight is not None else partial,
-            partial[0],
-            partial[1],
-            partial[2],
-            partial[-1],
-            N,
-            V,
-            D,
-            x.stride(0),
-            weight.stride(0),
-            blocks_per_split,
-            n_splits,
-            float(softcap or 1.0),
-            TMA=tma,
-            **plan.meta,
-        )
+        cw = class_weight if class_weight is not None else partial
+        tensors = (x_src, w_src, bias if bias is not None else x, target, cw, *partial[:3], partial[-1])
+        scalars = (N, V, D, x.stride(0), weight.stride(0), blocks_per_split, n_splits, float(softcap or 1.0))
+        lse_partials_kernel[plan.grid](*tensors, *scalars, TMA=tma, **plan.meta)
     run_max, run_sum, target_logit = partial[:3]
     row_max = run_max.amax(dim=1)
     lse = row_max + torch.log((run_sum * torch.exp(run_max - row_max[:, None])).sum(dim=1))
@@ -595,6 +559,7 @@ def grad_backward(
     prob_scale, target_scale = prob_scale / divisor, target_scale / divisor
     smoothing = smooth_scale is not None
     smooth_scale = smooth_scale / divisor if smoothing else prob_scale
+    scales = (prob_scale, target_scale, smooth_scale)
     flags = (bias is not None, softcap is not None, smoothing, class_weight is not None)
     tiles = _tiles(x)
     tile = tiles["grad_logits" if softcap is None else "grad_logits_softcap"]
@@ -607,28 +572,10 @@ def grad_backward(
         c1 = min(V, c0 + chunk)
         g = grads[:, : c1 - c0]
         plan = per_size(_grad_logits_plan, N)(N, D, c1 - c0, tile, *numerics, flags)
-        grad_logits_kernel[plan.grid](
-            x_src,
-            w_src,
-            bias if bias is not None else x,
-            target,
-            class_weight if class_weight is not None else lse,
-            lse,
-            prob_scale,
-            target_scale,
-            smooth_scale,
-            g,
-            N,
-            D,
-            c0,
-            c1,
-            x.stride(0),
-            weight.stride(0),
-            grads.stride(0),
-            float(softcap or 1.0),
-            TMA=tma,
-            **plan.meta,
-        )
+        cw = class_weight if class_weight is not None else lse
+        tensors = (x_src, w_src, bias if bias is not None else x, target, cw, lse, *scales, g)
+        scalars = (N, D, c0, c1, x.stride(0), weight.stride(0), grads.stride(0), float(softcap or 1.0))
+        grad_logits_kernel[plan.grid](*tensors, *scalars, TMA=tma, **plan.meta)
         if scale_max is None and capturable:
             scale_max = 1.0  # the products unscaled; the device divisor is applied below
         elif scale_max is None:
@@ -644,18 +591,8 @@ def grad_backward(
             torch.addmm(grad_x, g, weight[c0:c1], torch.float32, out=grad_x)
         elif need_input:
             plan = per_size(_grad_input_plan, N)(N, D, tiles["grad_input"], *numerics)
-            grad_input_kernel[plan.grid](
-                g,
-                weight[c0:c1],
-                grad_x,
-                N,
-                D,
-                c1 - c0,
-                grads.stride(0),
-                weight.stride(0),
-                grad_x.stride(0),
-                **plan.meta,
-            )
+            strides = (grads.stride(0), weight.stride(0), grad_x.stride(0))
+            grad_input_kernel[plan.grid](g, weight[c0:c1], grad_x, N, D, c1 - c0, *strides, **plan.meta)
     del grads, g  # before the cast below allocates dx
     scale = divisor if capturable else scale_max
     if need_input:

@@ -663,15 +663,8 @@ def coefficients_fwd_unchecked(x, phi, alpha, bias, iters: int, eps: float, hc_e
 
 def per_token_outputs(T: int, n: int, device):
     """The fp32 per-token outputs of a coefficient forward: ``(p, r, h_pre, h_post, z_res, h_res)``."""
-    f32 = dict(dtype=torch.float32, device=device)
-    return (
-        torch.empty((T, 2 * n + n * n), **f32),
-        torch.empty((T,), **f32),
-        torch.empty((T, n), **f32),
-        torch.empty((T, n), **f32),
-        torch.empty((T, n, n), **f32),
-        torch.empty((T, n, n), **f32),
-    )
+    shapes = ((T, 2 * n + n * n), (T,), (T, n), (T, n), (T, n, n), (T, n, n))
+    return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
 
 
 def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, grad_x_in, hc_eps: float):
@@ -684,18 +677,8 @@ def coefficient_grad(x, alpha, p, r, h_pre, h_post, dh_pre, dh_post, dz_res, gra
     has_dh_pre = dh_pre is not None
     plan = per_size(_grad_plan, T)(n, d, T, has_dh_pre, x.device)
     partial_bias = torch.empty((plan.grid[0], M + 3), **f32)
-    inputs = (
-        x,
-        grad_x_in,
-        dh_pre.contiguous() if has_dh_pre else h_pre,
-        h_pre,
-        dh_post.contiguous(),
-        h_post,
-        dz_res.contiguous(),
-        p,
-        r,
-        alpha.contiguous(),
-    )
+    dh_pre = dh_pre.contiguous() if has_dh_pre else h_pre  # read only with HAS_DH_PRE
+    inputs = (x, grad_x_in, dh_pre, h_pre, dh_post.contiguous(), h_post, dz_res.contiguous(), p, r, alpha.contiguous())
     launch(coefficient_grad_kernel, plan.grid, inputs, (g, c, partial_bias), (T, d, hc_eps), plan.meta, plan.key)
     return g, c, partial_bias
 

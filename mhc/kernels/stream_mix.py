@@ -328,17 +328,8 @@ def _bwd_plan(n: int, n_out: int, d: int, T, has_y: bool, need_grad_x: bool, acc
     block_t, block_d, num_warps = _bwd_config(n, n_out, d)
     chunks = cdiv(d, block_d)
     split_chunks = max(1, cdiv(chunks, bwd_d_splits(n, n_out, d, T, sm_count(device))))
-    meta = dict(
-        N=n,
-        N_OUT=n_out,
-        HAS_Y=has_y,
-        **_unroll(n, n_out),
-        WRITE_DX=need_grad_x,
-        ACCUMULATE=accumulate,
-        BLOCK_T=block_t,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+    meta = dict(N=n, N_OUT=n_out, HAS_Y=has_y, **_unroll(n, n_out), WRITE_DX=need_grad_x, ACCUMULATE=accumulate)
+    meta.update(BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
     grid = (cdiv(T, block_t), max(1, cdiv(chunks, split_chunks)))
     key = ("bwd", n, n_out, d, has_y, need_grad_x, accumulate)
     return LaunchPlan(grid, meta, key), split_chunks
@@ -474,14 +465,8 @@ SUM_TOKENS = 64  # tokens per program of the partial sums
 @launch_plan
 def _sums_plan(n: int, n_out: int, has_b: bool, T) -> LaunchPlan:
     """A program per ``SUM_TOKENS`` tokens."""
-    meta = dict(
-        W=n_out * n,
-        WP=next_pow2(n_out * n),
-        B=n_out if has_b else 0,
-        BP=next_pow2(n_out),
-        BLOCK_T=SUM_TOKENS,
-        num_warps=4,
-    )
+    meta = dict(W=n_out * n, WP=next_pow2(n_out * n), B=n_out if has_b else 0, BP=next_pow2(n_out))
+    meta.update(BLOCK_T=SUM_TOKENS, num_warps=4)
     return LaunchPlan((cdiv(T, SUM_TOKENS),), meta, ("sums", n_out, n, has_b))
 
 

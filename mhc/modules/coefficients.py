@@ -65,16 +65,8 @@ class DynamicMHC:
     def fused_start(self, site, x: torch.Tensor, plan=None, with_h_pre: bool = True):
         """``(x_in, h_pre, h_post, h_res, x_pass)``; ``with_h_pre=False``: ``None`` for ``h_pre``
         (:class:`mhc.ops.mixing.MHCPreMixFunction`). The other sources return it either way."""
-        outputs = MHCPreMixFunction.apply(
-            x,
-            *self.fused_parameters(site),
-            site.sinkhorn_iters,
-            site.backward,
-            site.rms_eps,
-            site.hc_eps,
-            with_h_pre,
-            *function_args(plan),
-        )
+        settings = (site.sinkhorn_iters, site.backward, site.rms_eps, site.hc_eps, with_h_pre)
+        outputs = MHCPreMixFunction.apply(x, *self.fused_parameters(site), *settings, *function_args(plan))
         return function_outputs(plan, outputs)
 
     def fused_parameters(self, site):

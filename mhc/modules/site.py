@@ -242,18 +242,8 @@ class FusedFinish:
         if not (next.source.fused_coefficients and choose(next.backend, x, "mixing", site.n_streams) == "triton"):
             return _returned(rest, *next._split(self._post_mix(y, schedule, next), layout))
         next._set_layout(layout)
-        args = (
-            x,
-            y,
-            self.h_post,
-            self.h_res,
-            *next.source.fused_parameters(next),
-            next.sinkhorn_iters,
-            next.backward,
-            next.rms_eps,
-            next.hc_eps,
-            False,
-        )  # False: no h_pre (MHCPreMixFunction)
+        settings = (next.sinkhorn_iters, next.backward, next.rms_eps, next.hc_eps, False)  # False: no h_pre
+        args = (x, y, self.h_post, self.h_res, *next.source.fused_parameters(next), *settings)
         continues = next._recompute is schedule and schedule.continues(x)
         outputs, next_at = self._seam(args, schedule, continues)
         x_in, _, h_post, h_res, x_pass = outputs

@@ -85,16 +85,8 @@ def _coefficients_fwd_fake(x, phi, alpha, bias, iters, eps, hc_eps):
     """Fake ``(x_in, p, r, h_pre, h_post, z_res, h_res)`` of a coefficient forward on ``x [..., n, d]``."""
     *lead, n, d = x.shape
     T = math.prod(lead)
-    f32 = dict(dtype=torch.float32)
-    return (
-        x.new_empty((*lead, d)),
-        x.new_empty((T, 2 * n + n * n), **f32),
-        x.new_empty((T,), **f32),
-        x.new_empty((T, n), **f32),
-        x.new_empty((T, n), **f32),
-        x.new_empty((T, n, n), **f32),
-        x.new_empty((T, n, n), **f32),
-    )
+    shapes = ((T, 2 * n + n * n), (T,), (T, n), (T, n), (T, n, n), (T, n, n))
+    return (x.new_empty((*lead, d)), *(x.new_empty(shape, dtype=torch.float32) for shape in shapes))
 
 
 @kernel_op("mhc::mhc_coefficients_fwd", _coefficients_fwd_fake)
@@ -428,21 +420,8 @@ class MHCSeamFunction(torch.autograd.Function):
         x_next = run.stream_mix_fwd(x, h_res_l, y, h_post_l)
         x_in, *outputs = run.coefficients_fwd(x_next, *params, iters, eps, hc_eps)
         kept = (x_next,) if keep_next else ()
-        extra = _save_coefficients(
-            ctx,
-            x,
-            params,
-            outputs,
-            (iters, backward, eps, hc_eps),
-            at,
-            linked,
-            link,
-            recipe,
-            h_res_l,
-            y,
-            h_post_l,
-            *kept,
-        )
+        settings, post_mix = (iters, backward, eps, hc_eps), (h_res_l, y, h_post_l)
+        extra = _save_coefficients(ctx, x, params, outputs, settings, at, linked, link, recipe, *post_mix, *kept)
         ctx.next_at = next_at
         return x_in, outputs[2] if with_h_pre else None, outputs[3], outputs[5], x_next, *extra
 
@@ -467,23 +446,9 @@ class MHCSeamFunction(torch.autograd.Function):
             ctx, x_next, coefficients, grad_x_in, grad_h_pre, grad_h_post, grad_h_res, grad_x_pass
         )
         dx, dy, dh_res_l, dh_post_l = _launchers(x_next).stream_mix_bwd(x, h_res_l, y, h_post_l, dx_next, None, True)
-        after = _grads_after(ctx, anchor)
-        return (
-            dx,
-            dy,
-            dh_post_l,
-            dh_res_l,
-            *_parameter_grads(ctx, packed),
-            None,
-            None,
-            None,
-            None,
-            None,
-            *after[:3],
-            None,
-            None,
-            *after[3:],
-        )
+        grads = (dx, dy, dh_post_l, dh_res_l, *_parameter_grads(ctx, packed), *(None,) * 5)  # 5 settings
+        after = _grads_after(ctx, anchor)  # (at, linked, link, *recipe)
+        return (*grads, *after[:3], None, None, *after[3:])  # None, None: next_at, keep_next
 
 
 # ------------------------------------------------------------------------------ functionals
