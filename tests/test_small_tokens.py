@@ -59,11 +59,13 @@ def test_the_split_is_chosen_where_one_pass_programs_are_fewer_than_sms(tokens, 
     config = mhc_coefficients.coefficients_split_config(n, d, tokens, sms)
     few = -(-tokens // TILE) <= sms
     assert mhc_coefficients.few_tokens(n, d, tokens, sms) == (n <= 4 and n * d >= 1024 and few)
-    decode = n <= 8 and n * d >= 1024 and tokens <= mhc_coefficients.DECODE_TOKENS
+    decode = n * d >= 1024 and tokens <= mhc_coefficients.DECODE_TOKENS
     assert mhc_coefficients.decoding(n, d, tokens) == decode
     assert DECODE_SPLIT == (*SMALL_SPLIT[:4], 1)
-    if decode:
+    if decode and n <= 8:
         assert config == DECODE_SPLIT
+    elif decode:  # res tiles 256 wide: narrower tiles, still a program per SM
+        assert config[:2] == (32, 32) and config[-1] == 1
     elif n <= 4 and n * d >= 1024 and few:
         assert config == SMALL_SPLIT and config[0] == TILE
     elif 4 < n <= 8 or (n <= 4 and n * d >= 16384):

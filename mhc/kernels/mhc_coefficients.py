@@ -769,10 +769,11 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
     meta.update(num_warps=num_warps, num_stages=num_stages)
     main = LaunchPlan((cdiv(T, block_t), splits), meta, ("projection_partial", config, n, split_bf16))
     decode = decoding(n, d, T)
+    entries = decode and n <= ENTRIES_MAX_N
     few = decode or few_tokens(n, d, T, sms)
     finish_t, finish_d, finish_warps = finish_config = coefficients_finish_config(n, few, decode)
     block_s = finish_split_block(splits, finish_t, cols["NRES"])
-    meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, BLOCK_S=block_s, ROLES=few, DECODE=decode)
+    meta = dict(**cols, **sinkhorn, BLOCK_T=finish_t, BLOCK_D=finish_d, BLOCK_S=block_s, ROLES=few, DECODE=entries)
     meta.update(num_warps=finish_warps)
     tiles, chunks = cdiv(T, finish_t), cdiv(d, finish_d)
     if few:  # a program for the coefficients, then one per share of the chunks
@@ -780,7 +781,7 @@ def _forward_plan(n: int, d: int, T: int, iters: int, has_eps: bool, split_bf16:
         grid = (tiles, 1 + cdiv(chunks, mix_chunks))
     else:
         mix_chunks, grid = chunks, (tiles,)
-    finish = LaunchPlan(grid, meta, ("coefficients_finish", finish_config, n, iters, has_eps, few, decode, block_s))
+    finish = LaunchPlan(grid, meta, ("coefficients_finish", finish_config, n, iters, has_eps, few, entries, block_s))
     width = cols["NPP"] + cols["NRES"] + 1  # a partial row: [pre | post] tile, res tile, sum of squares
     return ForwardPlan(main, finish, (splits, T, width), k_split, mix_chunks)
 
@@ -852,8 +853,8 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     (more splits cost the finishing kernel more partials than they save). A symbolic token count takes
     the rule for many tokens (``python -m bench.tune_mixing coefficients-split | small-tokens``)."""
     stages = min(3, arch().max_stages)
-    if decoding(n, d, tokens):
-        return SMALL_TILE, 64, 4, stages, 1
+    if decoding(n, d, tokens):  # n > 8: res tiles 256 wide, so 32 x 32 tiles of tokens and columns
+        return (SMALL_TILE, 64, 4, stages, 1) if n <= ENTRIES_MAX_N else (32, 32, 4, stages, 1)
     if few_tokens(n, d, tokens, sms):
         return SMALL_TILE, 64, 4, stages, 4
     if 4 < n <= 8 or (n <= 4 and n * d >= 16384):
@@ -872,19 +873,20 @@ def few_tokens(n: int, d: int, tokens, sms: int) -> bool:
 
 def decoding(n: int, d: int, tokens) -> bool:
     """Whether the forward takes the decoding tiles (``docs/decode.md``): at most ``DECODE_TOKENS``
-    tokens, n <= 8, ``n * d >= 1024``."""
-    return n <= 8 and n * d >= 1024 and type(tokens) is int and tokens <= DECODE_TOKENS
+    tokens, ``n * d >= 1024``."""
+    return n * d >= 1024 and type(tokens) is int and tokens <= DECODE_TOKENS
 
 
 DECODE_TOKENS = 64
+ENTRIES_MAX_N = 8  # the decoding Sinkhorn on entries holds n * n values per thread: the rows' form beyond
 
 
 def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles; 8-token ones
     after the small-token split (``few``); one token per one-warp program when ``decode``-ing, so its
     reductions stay in the warp."""
-    if decode:
-        return 1, 128, 1
+    if decode:  # one warp for the entries' Sinkhorn; the rows' form reduces across four
+        return 1, 128, (1 if n <= ENTRIES_MAX_N else 4)
     return (8, 128, 4) if few else (32, 128, 4)
 
 
