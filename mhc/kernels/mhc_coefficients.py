@@ -826,9 +826,9 @@ def _columns(n: int) -> dict:
 
 
 def dx_precision(dtype: torch.dtype, n: int) -> str:
-    """Precision of ``g @ phi^T`` in the projection backward: one tf32 product for bf16 ``dx`` (its 8
-    significant bits hide tf32's rounding), tf32x3 for fp16 and fp32 (and for the one-pass kernel at
-    n = 5..8, which failed with tf32 under Triton 3.6)."""
+    """Precision of ``g @ phi^T`` in the projection backward: one tf32 product for bf16 ``dx`` up to
+    n = 8 (its 8 significant bits hide tf32's rounding; at n = 5..8 only the split backward's ``dx``
+    pass runs, the one-pass kernel failed with tf32 under Triton 3.6); tf32x3 otherwise."""
     return "tf32" if dtype == torch.bfloat16 and n <= 8 else "tf32x3"
 
 
@@ -853,7 +853,7 @@ def coefficients_split_config(n: int, d: int, tokens: int, sms: int) -> tuple[in
     (more splits cost the finishing kernel more partials than they save). A symbolic token count takes
     the rule for many tokens (``python -m bench.tune_mixing coefficients-split | small-tokens``)."""
     stages = min(3, arch().max_stages)
-    if decoding(n, d, tokens):  # n > 8: res tiles 256 wide, so 32 x 32 tiles of tokens and columns
+    if decoding(n, d, tokens):  # n > 8: res tiles up to 256 wide, so 32 x 32 tiles of tokens and columns
         return (SMALL_TILE, 64, 4, stages, 1) if n <= ENTRIES_MAX_N else (32, 32, 4, stages, 1)
     if few_tokens(n, d, tokens, sms):
         return SMALL_TILE, 64, 4, stages, 4
@@ -883,8 +883,8 @@ ENTRIES_MAX_N = 8  # the decoding Sinkhorn on entries holds n * n values per thr
 
 def coefficients_finish_config(n: int, few: bool, decode: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_D, num_warps)`` of ``coefficients_finish_kernel``: 32-token tiles; 8-token ones
-    after the small-token split (``few``); one token per one-warp program when ``decode``-ing, so its
-    reductions stay in the warp."""
+    after the small-token split (``few``); one token per program when ``decode``-ing, one warp for the
+    entries' Sinkhorn (its reductions stay in the warp), four for the rows' form beyond n = 8."""
     if decode:  # one warp for the entries' Sinkhorn; the rows' form reduces across four
         return 1, 128, (1 if n <= ENTRIES_MAX_N else 4)
     return (8, 128, 4) if few else (32, 128, 4)
